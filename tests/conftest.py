@@ -1,0 +1,34 @@
+"""Test-wide setup. TRITON_INTERPRET must be set before any kernel module is imported."""
+import os
+import shutil
+import subprocess
+
+def _has_gpu() -> bool:
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return False
+    if shutil.which("nvidia-smi") is None:
+        return False
+    return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+if not _has_gpu():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", deadline=None, print_blob=True)
+settings.load_profile("ci")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
