@@ -1,8 +1,19 @@
-"""The training prompt (Search-R1's ``make_prefix``; CriticSearch's Prompt 1) and chat wrapping."""
+"""The training prompt (Search-R1's ``make_prefix``, CriticSearch's Prompt 1) and chat wrapping.
+
+    text = apply_chat_template(tokenizer, build_prompt("who wrote hamlet"), enabled="auto")
+
+Base models get the raw prompt; instruct models get it as one user message followed by
+the generation prompt, as Search-R1's veRL dataset does when the tokenizer has a chat
+template.
+"""
 from __future__ import annotations
 
-# NOTE: kept verbatim, including Search-R1's "as many times as your want": the released
-# checkpoints and datasets were made with this exact text.
+from typing import Union
+
+# NOTE: verbatim from Search-R1's scripts/data_process/nq_search.py (template_type "base"),
+# typo "as your want" and the trailing newline included: the released datasets and
+# checkpoints were made with this exact text. CriticSearch's Prompt 1 is the same prompt;
+# the paper's rendering adds backticks around the tags and drops a comma, the code does not.
 SEARCHR1_TEMPLATE = (
     "Answer the given question. "
     "You must conduct reasoning inside <think> and </think> first every time you get new information. "
@@ -17,22 +28,43 @@ SEARCHR1_TEMPLATE = (
 TEMPLATES = {"searchr1": SEARCHR1_TEMPLATE}
 
 
-def build_prompt(question: str, template: str = "searchr1") -> str:
-    """The raw training prompt for ``question`` (Search-R1 adds a '?' when missing)."""
-    if template not in TEMPLATES:
-        raise ValueError(f"unknown prompt template {template!r}; valid: {', '.join(TEMPLATES)}")
+def normalize_question(question: str) -> str:
+    """Search-R1's question clean-up: strip white space and end with '?'."""
     question = question.strip()
-    if question and question[-1] != "?":
-        question += "?"
-    return TEMPLATES[template].format(question=question)
+    if not question:
+        raise ValueError("cannot build a prompt for an empty question")
+    return question if question.endswith("?") else question + "?"
 
 
-def apply_chat_template(tokenizer, prompt: str, enabled: bool) -> str:
-    """Wrap ``prompt`` as one user turn with the generation prompt (instruct models), or return it as is."""
+def build_prompt(question: str, template: str = "searchr1") -> str:
+    """The raw training prompt for ``question`` (the user message's text)."""
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown prompt template {template!r}; valid: {', '.join(sorted(TEMPLATES))}")
+    return TEMPLATES[template].format(question=normalize_question(question))
+
+
+def has_chat_template(tokenizer) -> bool:
+    """Whether ``tokenizer`` (or None) carries a chat template."""
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+
+
+def apply_chat_template(tokenizer, prompt: str, enabled: Union[bool, str] = "auto") -> str:
+    """The text the policy sees for ``prompt``.
+
+    ``enabled``: ``True`` wraps it as one user message plus the generation prompt (an
+    error if the tokenizer has no chat template), ``False`` returns it unchanged (base
+    models), ``"auto"`` wraps exactly when the tokenizer has a template.
+    """
+    if enabled not in (True, False, "auto"):
+        raise ValueError(f"enabled must be True, False or 'auto', got {enabled!r}")
+    if enabled == "auto":
+        enabled = has_chat_template(tokenizer)
     if not enabled:
         return prompt
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("model.chat_template=true but the tokenizer has no chat template; set it to false for base models")
+    if not has_chat_template(tokenizer):
+        what = "no tokenizer was given" if tokenizer is None else f"{type(tokenizer).__name__} has no chat template"
+        raise ValueError(f"chat wrapping was requested (model.chat_template=true) but {what}; "
+                         "set model.chat_template=false for base models")
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
     )

@@ -1,13 +1,26 @@
 """The toy world: a seeded synthetic encyclopedia in Search-R1's file formats.
 
-    python -m fastcredit.data.toyworld --out runs/toyworld --seed 0
+    python -m fastcredit.data.toyworld --out runs/toyworld --seed 0 --num-questions 1000
 
-Entities (people, cities, countries, companies, universities) with functional typed
-relations; a corpus of short passages stating one or two facts each, including passages
-about *twins* — entities whose names differ from another's by one letter — so retrieval
-must be precise; 1- to 3-hop questions whose hops carry the gold sub-query, sub-answer and
-the passages stating the fact (PiCA's pivot labels, and the oracle judges' ground truth).
-The same seed gives byte-identical files.
+People, cities, countries, universities, companies and bands with functional typed
+relations (born_in, studied_at, spouse, country, capital, located_in, founded_by,
+headquartered_in, lead_singer, formed_in). The corpus states each fact in a short passage
+about one entity. Two kinds of distractors make retrieval need precision: *twins*, entities
+whose names differ from another's by one letter ("Varo Keltan" / "Varo Keltin") with
+passages of their own, and *mention* passages that name an entity next to other entities
+without stating any relation. Questions take 1 to 3 hops; each hop carries its gold
+sub-query, sub-answer and the passages that state the fact (PiCA's pivot labels and the
+oracle judges' ground truth: see ``gold_fact_passages`` and ``hops_found``).
+
+Files written by ``write_world`` (the same config gives byte-identical files):
+
+    corpus.jsonl                  {"id", "contents": "\\"Title\\"\\ntext"}; id = line number
+    train.jsonl, test.jsonl       {"id", "question", "golden_answers", "data_source": "toyworld",
+                                   "metadata": {"num_hops", "hops": [{"query", "answer", "aliases",
+                                   "subject", "relation", "passage_ids"}]}}
+    train.parquet, test.parquet   Search-R1's nq_hotpotqa_train layout (see loaders.py)
+    world.json                    config, summary, entities, facts ("subject|relation" → ids)
+    summary.json                  the counts, as printed by the command line
 """
 from __future__ import annotations
 
@@ -16,38 +29,132 @@ import dataclasses
 import json
 import os
 import random
-import tempfile
+import re
+import sys
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional, Union
 
-_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "st", "th", "sh"]
-_VOWELS = ["a", "e", "i", "o", "u", "ai", "eo", "ia"]
-_CODAS = ["", "", "n", "r", "s", "l", "th", "x"]
-_SUFFIX = {"city": ["ford", "mere", "holm", "grad", "ton"], "country": ["ia", "land", "stan", "ora"],
-           "company": [" Industries", " Labs", " Group", " Works"], "university": [" University", " Institute"]}
-TYPES = ("person", "city", "country", "company", "university")
+from fastcredit.data.loaders import (
+    DataError, QAExample, atomic_output, iter_corpus, load_toyworld, write_searchr1_parquet,
+)
+
+TYPES = ("person", "city", "country", "university", "company", "band")
+DATA_SOURCE = "toyworld"
 
 
 @dataclass
 class ToyWorldConfig:
-    seed: int = field(default=0, metadata={"help": "generator seed; the same seed gives byte-identical files"})
-    num_people: int = field(default=700, metadata={"help": "people (each has a birthplace, a university and maybe a spouse)"})
+    seed: int = field(default=0, metadata={"help": "generator seed; the same config gives byte-identical files"})
+    num_people: int = field(default=700, metadata={"help": "people, before twins (birthplace, university, maybe a spouse)"})
     num_cities: int = field(default=120, metadata={"help": "cities (each lies in a country)"})
-    num_countries: int = field(default=30, metadata={"help": "countries (each has a capital among its cities)"})
-    num_companies: int = field(default=250, metadata={"help": "companies (founder and headquarters)"})
+    num_countries: int = field(default=30, metadata={"help": "countries (each has one of its cities as capital)"})
     num_universities: int = field(default=60, metadata={"help": "universities (each located in a city)"})
-    twin_fraction: float = field(default=0.3, metadata={"help": "fraction of people and companies given a one-letter-apart twin (distractors)"})
-    num_questions: int = field(default=1000, metadata={"help": "questions generated (train + test)"})
-    max_hops: int = field(default=3, metadata={"help": "longest question chain (1 to 3)"})
-    test_fraction: float = field(default=0.1, metadata={"help": "share of questions in the test split"})
+    num_companies: int = field(default=250, metadata={"help": "companies, before twins (founder and headquarters)"})
+    num_bands: int = field(default=80, metadata={"help": "bands, before twins (lead singer and home city)"})
+    twin_fraction: float = field(default=0.3, metadata={
+        "help": "share of people, companies and bands given a one-letter-apart twin entity (a distractor)"})
+    distractor_fraction: float = field(default=0.25, metadata={
+        "help": "share of entities given an extra passage that names other entities but states no relation"})
+    married_fraction: float = field(default=0.5, metadata={"help": "share of people who are married (in pairs)"})
+    num_questions: int = field(default=1000, metadata={"help": "questions generated, train and test together"})
+    max_hops: int = field(default=3, metadata={"help": "longest question chain (1 to 3); hop counts are drawn uniformly"})
+    test_fraction: float = field(default=0.1, metadata={"help": "share of the questions in the test split"})
 
 
-@dataclass
+class Relation(NamedTuple):
+    subject: str  # entity type
+    object: str
+    sentence: str  # how a passage states it
+    query: str  # the gold sub-query that finds it
+
+
+RELATIONS = {
+    "born_in": Relation("person", "city", "{s} was born in {o}.", "{s} place of birth"),
+    "studied_at": Relation("person", "university", "{s} studied at {o}.", "{s} university"),
+    "spouse": Relation("person", "person", "{s} is married to {o}.", "{s} spouse"),
+    "country": Relation("city", "country", "{s} is a city in {o}.", "{s} country"),
+    "capital": Relation("country", "city", "The capital of {s} is {o}.", "{s} capital"),
+    "located_in": Relation("university", "city", "{s} is located in {o}.", "{s} location"),
+    "founded_by": Relation("company", "person", "{s} was founded by {o}.", "{s} founder"),
+    "headquartered_in": Relation("company", "city", "{s} has its headquarters in {o}.", "{s} headquarters"),
+    "lead_singer": Relation("band", "person", "The lead singer of {s} is {o}.", "{s} lead singer"),
+    "formed_in": Relation("band", "city", "{s} was formed in {o}.", "{s} formed in"),
+}
+
+# (relation chain, question). The chain starts at the entity named {x}; its end is the answer.
+QUESTIONS = (
+    (("born_in",), "Where was {x} born?"),
+    (("studied_at",), "Which university did {x} attend?"),
+    (("spouse",), "Who is {x} married to?"),
+    (("country",), "Which country is {x} in?"),
+    (("capital",), "What is the capital of {x}?"),
+    (("located_in",), "In which city is {x} located?"),
+    (("founded_by",), "Who founded {x}?"),
+    (("headquartered_in",), "Where does {x} have its headquarters?"),
+    (("lead_singer",), "Who is the lead singer of {x}?"),
+    (("formed_in",), "In which city was {x} formed?"),
+    (("born_in", "country"), "In which country was {x} born?"),
+    (("studied_at", "located_in"), "In which city is the university that {x} attended?"),
+    (("spouse", "born_in"), "Where was the spouse of {x} born?"),
+    (("spouse", "studied_at"), "Which university did the spouse of {x} attend?"),
+    (("located_in", "country"), "In which country is {x} located?"),
+    (("founded_by", "born_in"), "Where was the founder of {x} born?"),
+    (("founded_by", "studied_at"), "Which university did the founder of {x} attend?"),
+    (("headquartered_in", "country"), "In which country does {x} have its headquarters?"),
+    (("lead_singer", "born_in"), "Where was the lead singer of {x} born?"),
+    (("formed_in", "country"), "In which country was {x} formed?"),
+    (("born_in", "country", "capital"), "What is the capital of the country where {x} was born?"),
+    (("founded_by", "born_in", "country"), "In which country was the founder of {x} born?"),
+    (("headquartered_in", "country", "capital"),
+     "What is the capital of the country where {x} has its headquarters?"),
+    (("lead_singer", "born_in", "country"), "In which country was the lead singer of {x} born?"),
+    (("lead_singer", "studied_at", "located_in"),
+     "In which city is the university attended by the lead singer of {x}?"),
+    (("spouse", "born_in", "country"), "In which country was the spouse of {x} born?"),
+    (("studied_at", "located_in", "country"), "In which country is the university that {x} attended?"),
+)
+
+# Facts stated together in one passage about the subject; one passage per tuple.
+_PASSAGE_GROUPS = {
+    "person": (("born_in",), ("studied_at", "spouse")),
+    "city": (("country",),),
+    "country": (("capital",),),
+    "university": (("located_in",),),
+    "company": (("founded_by", "headquartered_in"),),
+    "band": (("formed_in", "lead_singer"),),
+}
+# Sentences of mention passages: (template, type of the other entity). None of them
+# matches a RELATIONS sentence, so they name entities without stating a fact.
+_MENTIONS = {
+    "person": (("{s} once gave a talk in {o}.", "city"), ("{s} wrote a biography of {o}.", "person")),
+    "city": (("{s} hosted a trade fair with delegates from {o}.", "country"),),
+    "country": (("{s} signed a trade agreement with {o}.", "country"),),
+    "university": (("{s} awarded an honorary degree to {o}.", "person"),),
+    "company": (("{s} sponsored a festival in {o}.", "city"), ("{s} once hired {o} as an adviser.", "person")),
+    "band": (("{s} played a sold-out concert in {o}.", "city"), ("{s} recorded a song about {o}.", "person")),
+}
+_ALIAS_SENTENCE = {"country": "Its official name is the {a}.", "university": "It is also known as the {a}."}
+
+_ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z",
+           "br", "dr", "gr", "kr", "st", "th", "sh", "tr")
+_VOWELS = ("a", "e", "i", "o", "u", "ae", "ei", "ou")
+_CODAS = ("", "", "", "n", "r", "s", "l", "th", "x", "m")
+_SUFFIXES = {
+    "city": ("ford", "holm", "mere", "grad", "ton", "vale", "port"),
+    "country": ("ia", "land", "stan", "ora"),
+    "university": (" University", " Institute"),
+    "company": (" Labs", " Works", " Group", " Industries", " Systems"),
+    "band": (" Echo", " Parade", " Hollow", " Static", " Choir"),
+}
+
+
+@dataclass(frozen=True)
 class Passage:
     id: str
     title: str
     text: str
 
+    @property
     def contents(self) -> str:
         """Search-R1's corpus field: the quoted title, a newline, the text."""
         return f'"{self.title}"\n{self.text}'
@@ -55,202 +162,318 @@ class Passage:
 
 @dataclass
 class ToyWorld:
+    """The generated world. ``entities``: name → {"type", "relations": {rel: name}, "aliases", ["twin_of"]};
+    ``facts``: "subject|relation" → ids of the passages stating it; passage ``i`` has id ``str(i)``."""
+
     config: ToyWorldConfig
-    entities: dict  # name -> {"type": str, "relations": {relation: name}}
-    passages: list  # [Passage]
-    fact_passages: dict  # "subject|relation" -> [passage id]
-    questions: list  # [dict] FlashRAG-style records with metadata.hops
+    entities: dict
+    passages: list
+    facts: dict
+    train: list
+    test: list
+
+    @property
+    def questions(self) -> list:
+        """Train then test questions (QAExample)."""
+        return self.train + self.test
 
     def split(self, name: str) -> list:
-        return [q for q in self.questions if q["metadata"]["split"] == name]
+        """The ``train`` or ``test`` questions (QAExample)."""
+        if name not in ("train", "test"):
+            raise ValueError(f"unknown split {name!r}; valid: train, test")
+        return self.train if name == "train" else self.test
+
+    def passage(self, pid: str) -> Passage:
+        """The passage with id ``pid`` (ids are row numbers)."""
+        return self.passages[int(pid)]
 
 
-class _Names:
-    """Unique syllable names; twins differ from their original by one vowel."""
+class _Namer:
+    """Unique pronounceable names; a twin differs from its original in one vowel letter."""
 
     def __init__(self, rng: random.Random):
-        self.rng, self.used = rng, set()
+        self.rng, self.taken = rng, set()  # lower-cased, so names stay distinct after EM normalisation
 
     def _word(self, syllables: int) -> str:
-        w = "".join(self.rng.choice(_ONSETS) + self.rng.choice(_VOWELS) for _ in range(syllables))
-        return (w + self.rng.choice(_CODAS)).capitalize()
+        body = "".join(self.rng.choice(_ONSETS) + self.rng.choice(_VOWELS) for _ in range(syllables))
+        return (body + self.rng.choice(_CODAS)).capitalize()
 
-    def new(self, kind: str) -> str:
+    def _claim(self, name: str) -> bool:
+        if name.lower() in self.taken:
+            return False
+        self.taken.add(name.lower())
+        return True
+
+    def fresh(self, kind: str) -> str:
         while True:
             if kind == "person":
-                name = f"{self._word(2)} {self._word(self.rng.choice([2, 3]))}"
+                name = f"{self._word(2)} {self._word(self.rng.choice((2, 3)))}"
             else:
-                name = self._word(2) + self.rng.choice(_SUFFIX[kind])
-            if name not in self.used:
-                self.used.add(name)
+                name = self._word(2) + self.rng.choice(_SUFFIXES[kind])
+            if self._claim(name):
                 return name
 
-    def twin(self, name: str) -> Optional[str]:
-        spots = [i for i, ch in enumerate(name) if ch in "aeiou"]
-        self.rng.shuffle(spots)
-        for i in spots:
-            for v in "aeiou":
-                cand = name[:i] + v + name[i + 1 :]
-                if v != name[i] and cand not in self.used:
-                    self.used.add(cand)
-                    return cand
+    def twin(self, name: str, kind: str) -> Optional[str]:
+        # Only the invented part changes: "Kelmar Lebs" would be a giveaway, not a twin.
+        stem_end = len(name) if kind == "person" else name.index(" ") if " " in name else len(name)
+        edits = [(i, v) for i in range(stem_end) if name[i].lower() in "aeiou" for v in "aeiou" if v != name[i].lower()]
+        self.rng.shuffle(edits)
+        for i, v in edits:
+            cand = name[:i] + (v.upper() if name[i].isupper() else v) + name[i + 1:]
+            if self._claim(cand):
+                return cand
         return None
 
 
+def _with_twins(names: list, kind: str, fraction: float, namer: _Namer, ents: dict) -> list:
+    out = []
+    for name in names:
+        out.append(name)
+        if namer.rng.random() < fraction:
+            twin = namer.twin(name, kind)
+            if twin is not None:
+                out.append(twin)
+                ents[twin] = {"type": kind, "relations": {}, "aliases": [], "twin_of": name}
+    return out
+
+
 def _make_entities(cfg: ToyWorldConfig, rng: random.Random) -> dict:
-    names = _Names(rng)
-    ents: dict = {}
+    namer, ents = _Namer(rng), {}
 
-    def add(kind, name, **rel):
-        ents[name] = {"type": kind, "relations": rel}
+    def add(kind: str, names: list) -> list:
+        for n in names:
+            ents.setdefault(n, {"type": kind, "relations": {}, "aliases": []})
+        return names
 
-    countries = [names.new("country") for _ in range(cfg.num_countries)]
-    cities = [names.new("city") for _ in range(cfg.num_cities)]
-    for i, c in enumerate(cities):  # every country gets at least one city
-        add("city", c, country=countries[i % len(countries)] if i < len(countries) else rng.choice(countries))
+    countries = add("country", [namer.fresh("country") for _ in range(cfg.num_countries)])
+    cities = add("city", [namer.fresh("city") for _ in range(cfg.num_cities)])
+    for i, c in enumerate(cities):  # the first cities go round the countries, so each has one
+        ents[c]["relations"]["country"] = countries[i] if i < len(countries) else rng.choice(countries)
     for k in countries:
-        add("country", k, capital=rng.choice([c for c in cities if ents[c]["relations"]["country"] == k]))
-    for _ in range(cfg.num_universities):
-        add("university", names.new("university"), located_in=rng.choice(cities))
+        ents[k]["relations"]["capital"] = rng.choice([c for c in cities if ents[c]["relations"]["country"] == k])
+        ents[k]["aliases"] = [f"Republic of {k}"]
+    for u in add("university", [namer.fresh("university") for _ in range(cfg.num_universities)]):
+        ents[u]["relations"]["located_in"] = rng.choice(cities)
+        if u.endswith(" University"):
+            ents[u]["aliases"] = [f"University of {u[: -len(' University')]}"]
     unis = [n for n, e in ents.items() if e["type"] == "university"]
-    people = [names.new("person") for _ in range(cfg.num_people)]
-    people += [t for p in people if rng.random() < cfg.twin_fraction for t in [names.twin(p)] if t]
+    people = _with_twins(add("person", [namer.fresh("person") for _ in range(cfg.num_people)]),
+                         "person", cfg.twin_fraction, namer, ents)
     for p in people:
-        add("person", p, born_in=rng.choice(cities), studied_at=rng.choice(unis))
-    singles = people[:]
-    rng.shuffle(singles)
-    for a, b in zip(singles[0::4], singles[1::4]):  # half of the people are married, in pairs
+        ents[p]["relations"].update(born_in=rng.choice(cities), studied_at=rng.choice(unis))
+    order = people[:]
+    rng.shuffle(order)
+    married = order[: 2 * int(len(order) * cfg.married_fraction / 2)]
+    for a, b in zip(married[0::2], married[1::2]):
         ents[a]["relations"]["spouse"], ents[b]["relations"]["spouse"] = b, a
-    companies = [names.new("company") for _ in range(cfg.num_companies)]
-    companies += [t for c in companies if rng.random() < cfg.twin_fraction for t in [names.twin(c)] if t]
-    for c in companies:
-        add("company", c, founded_by=rng.choice(people), headquartered_in=rng.choice(cities))
+    for kind, count, rels in (("company", cfg.num_companies, ("founded_by", "headquartered_in")),
+                              ("band", cfg.num_bands, ("lead_singer", "formed_in"))):
+        names = _with_twins(add(kind, [namer.fresh(kind) for _ in range(count)]), kind, cfg.twin_fraction, namer, ents)
+        for n in names:
+            for rel in rels:
+                pool = people if RELATIONS[rel].object == "person" else cities
+                ents[n]["relations"][rel] = rng.choice(pool)
     return ents
 
 
-_SENTENCES = {
-    "born_in": "{s} was born in {o}.",
-    "studied_at": "{s} studied at {o}.",
-    "spouse": "{s} is married to {o}.",
-    "country": "{s} is a city in {o}.",
-    "capital": "The capital of {s} is {o}.",
-    "located_in": "{s} is located in {o}.",
-    "founded_by": "{s} was founded by {o}.",
-    "headquartered_in": "{s} has its headquarters in {o}.",
-}
-# Facts stated together in one passage; the rest get a passage each.
-_GROUPS = {"person": [("born_in",), ("studied_at", "spouse")], "company": [("founded_by", "headquartered_in")]}
+def _fact_texts(name: str, ent: dict) -> list[tuple[tuple, str]]:
+    """(relations stated, text) for each fact passage about one entity."""
+    out = []
+    for group in _PASSAGE_GROUPS[ent["type"]]:
+        rels = tuple(r for r in group if r in ent["relations"])
+        if not rels:
+            continue
+        text = " ".join(RELATIONS[r].sentence.format(s=name, o=ent["relations"][r]) for r in rels)
+        if not out and ent["aliases"]:  # the alias goes in the entity's first passage
+            text += " " + _ALIAS_SENTENCE[ent["type"]].format(a=ent["aliases"][0])
+        out.append((rels, text))
+    return out
 
 
-def _make_passages(ents: dict, rng: random.Random) -> tuple[list, dict]:
+def _make_passages(cfg: ToyWorldConfig, ents: dict, rng: random.Random) -> tuple[list, dict]:
+    by_type = {t: [n for n, e in ents.items() if e["type"] == t] for t in TYPES}
+    drafts = []  # (title, text, relations stated)
+    for name, ent in ents.items():
+        for rels, text in _fact_texts(name, ent):
+            drafts.append((name, text, rels))
+        if rng.random() < cfg.distractor_fraction:
+            template, other_type = rng.choice(_MENTIONS[ent["type"]])
+            others = [o for o in by_type[other_type] if o != name]
+            if others:
+                drafts.append((name, template.format(s=name, o=rng.choice(others)), ()))
+    order = list(range(len(drafts)))
+    rng.shuffle(order)  # ids carry no hint of which entity or kind of passage they hold
     passages, facts = [], {}
-    for name in sorted(ents):
-        e = ents[name]
-        groups = _GROUPS.get(e["type"], [tuple(e["relations"])])
-        for group in groups:
-            rels = [r for r in group if r in e["relations"]]
-            if not rels:
-                continue
-            pid = str(len(passages))
-            text = " ".join(_SENTENCES[r].format(s=name, o=e["relations"][r]) for r in rels)
-            passages.append(Passage(pid, name, text))
-            for r in rels:
-                facts.setdefault(f"{name}|{r}", []).append(pid)
-    # A spouse fact is stated in both partners' passages.
-    for name, e in ents.items():
-        partner = e["relations"].get("spouse")
-        if partner:
-            facts[f"{name}|spouse"] = sorted(set(facts[f"{name}|spouse"] + facts[f"{partner}|spouse"]), key=int)
-    order = list(range(len(passages)))
-    rng.shuffle(order)  # passage ids carry no hint of the entity order
-    remap = {passages[i].id: str(j) for j, i in enumerate(order)}
-    shuffled = [Passage(str(j), passages[i].title, passages[i].text) for j, i in enumerate(order)]
-    facts = {k: sorted((remap[p] for p in v), key=int) for k, v in facts.items()}
-    return shuffled, facts
+    for pid, k in enumerate(order):
+        title, text, rels = drafts[k]
+        passages.append(Passage(str(pid), title, text))
+        for r in rels:
+            facts.setdefault(f"{title}|{r}", []).append(str(pid))
+    # A marriage is stated in both partners' passages; either one satisfies the hop.
+    for name, ent in ents.items():
+        partner = ent["relations"].get("spouse")
+        if partner is not None:
+            facts[f"{name}|spouse"] = facts[f"{name}|spouse"] + facts[f"{partner}|spouse"]
+    return passages, {k: sorted(set(v), key=int) for k, v in facts.items()}
 
 
-# (start type, relation chain, question template, sub-query templates per hop)
-_TEMPLATES = [
-    ("person", ["born_in"], "Where was {x} born?", ["{x} place of birth"]),
-    ("person", ["studied_at"], "Which university did {x} attend?", ["{x} university"]),
-    ("company", ["founded_by"], "Who founded {x}?", ["{x} founder"]),
-    ("country", ["capital"], "What is the capital of {x}?", ["{x} capital"]),
-    ("person", ["born_in", "country"], "In which country was {x} born?", ["{x} place of birth", "{y} country"]),
-    ("company", ["founded_by", "born_in"], "Where was the founder of {x} born?", ["{x} founder", "{y} place of birth"]),
-    ("person", ["spouse", "studied_at"], "Which university did the spouse of {x} attend?", ["{x} spouse", "{y} university"]),
-    ("university", ["located_in", "country"], "In which country is {x}?", ["{x} location", "{y} country"]),
-    ("company", ["founded_by", "born_in", "country"], "In which country was the founder of {x} born?",
-     ["{x} founder", "{y} place of birth", "{y} country"]),
-    ("person", ["born_in", "country", "capital"], "What is the capital of the country where {x} was born?",
-     ["{x} place of birth", "{y} country", "{y} capital"]),
-    ("company", ["headquartered_in", "country", "capital"],
-     "What is the capital of the country where {x} has its headquarters?",
-     ["{x} headquarters", "{y} country", "{y} capital"]),
-]
+def _walk(ents: dict, facts: dict, start: str, chain: tuple) -> list:
+    """The hop records of ``chain`` from ``start`` (which ``_reaches`` its end)."""
+    hops, cur = [], start
+    for rel in chain:
+        nxt = ents[cur]["relations"][rel]
+        hops.append({"query": RELATIONS[rel].query.format(s=cur), "answer": nxt, "aliases": list(ents[nxt]["aliases"]),
+                     "subject": cur, "relation": rel, "passage_ids": list(facts[f"{cur}|{rel}"])})
+        cur = nxt
+    return hops
 
 
-def _make_questions(cfg, ents, facts, rng) -> list:
-    by_type = {t: sorted(n for n, e in ents.items() if e["type"] == t) for t in TYPES}
-    templates = [t for t in _TEMPLATES if len(t[1]) <= cfg.max_hops]
-    out, seen = [], set()
-    attempts = 0
-    while len(out) < cfg.num_questions and attempts < cfg.num_questions * 50:
-        attempts += 1
-        start_type, chain, question_t, query_ts = rng.choice(templates)
-        x = rng.choice(by_type[start_type])
-        if (x, question_t) in seen:
-            continue
-        hops, cur = [], x
-        for rel, query_t in zip(chain, query_ts):
-            nxt = ents[cur]["relations"].get(rel)
-            if nxt is None:
-                break
-            hops.append({"query": query_t.format(x=x, y=cur), "answer": nxt, "relation": rel,
-                         "subject": cur, "passage_ids": facts[f"{cur}|{rel}"]})
-            cur = nxt
-        if len(hops) != len(chain):
-            continue
-        seen.add((x, question_t))
-        out.append({"question": question_t.format(x=x), "golden_answers": [cur], "num_hops": len(hops), "hops": hops})
-    if len(out) < cfg.num_questions:
-        raise ValueError(f"the world is too small for {cfg.num_questions} distinct questions (made {len(out)})")
-    n_test = int(round(cfg.test_fraction * len(out)))
-    records = []
-    for i, q in enumerate(out):
-        split = "test" if i >= len(out) - n_test else "train"
-        records.append({
-            "id": f"toy-{split}-{i}", "question": q["question"], "golden_answers": q["golden_answers"],
-            "data_source": "toyworld",
-            "metadata": {"split": split, "num_hops": q["num_hops"], "hops": q["hops"]},
-        })
-    return records
+def _reaches(ents: dict, start: str, chain: tuple) -> bool:
+    """Whether every relation of ``chain`` exists from ``start`` (not everyone is married)."""
+    cur = start
+    for rel in chain:
+        cur = ents[cur]["relations"].get(rel)
+        if cur is None:
+            return False
+    return True
+
+
+def _make_questions(cfg: ToyWorldConfig, ents: dict, facts: dict, rng: random.Random) -> list:
+    by_type = {t: [n for n, e in ents.items() if e["type"] == t] for t in TYPES}
+    # Every askable (template, subject) pair, shuffled per hop count: drawing without
+    # replacement keeps questions distinct and fails at once when too few exist.
+    pools = {}
+    for h in range(1, cfg.max_hops + 1):
+        pool = [(chain, template, x) for chain, template in QUESTIONS if len(chain) == h
+                for x in by_type[RELATIONS[chain[0]].subject] if _reaches(ents, x, chain)]
+        rng.shuffle(pool)
+        pools[h] = pool
+    available = sum(len(p) for p in pools.values())
+    if available < cfg.num_questions:
+        raise ValueError(f"the world is too small for {cfg.num_questions} distinct questions "
+                         f"(it has {available}); add entities or ask for fewer questions")
+    out = []
+    for _ in range(cfg.num_questions):
+        # Hop count first, uniformly among those left: questions spread evenly over 1..max_hops.
+        chain, template, x = pools[rng.choice([h for h, p in pools.items() if p])].pop()
+        hops = _walk(ents, facts, x, chain)
+        answer = hops[-1]["answer"]
+        out.append((template.format(x=x), [answer] + ents[answer]["aliases"], hops))
+    return out
+
+
+def _check_config(cfg: ToyWorldConfig) -> None:
+    counts = ("num_people", "num_cities", "num_countries", "num_universities", "num_companies", "num_bands",
+              "num_questions")
+    problems = [(getattr(cfg, name) >= 0, f"{name} must not be negative, got {getattr(cfg, name)}") for name in counts]
+    problems += [
+        (1 <= cfg.max_hops <= 3, f"max_hops must be 1, 2 or 3, got {cfg.max_hops}"),
+        (cfg.num_countries >= 1, f"num_countries must be at least 1, got {cfg.num_countries}"),
+        (cfg.num_cities >= cfg.num_countries,
+         f"num_cities ({cfg.num_cities}) must be at least num_countries ({cfg.num_countries})"),
+        (cfg.num_universities >= 1 or cfg.num_people == 0, "people study somewhere: num_universities must be at least 1"),
+        (cfg.num_people >= 1 or cfg.num_companies + cfg.num_bands == 0,
+         "companies and bands need people: num_people must be at least 1"),
+        (0.0 <= cfg.test_fraction < 1.0, f"test_fraction must be in [0, 1), got {cfg.test_fraction}"),
+    ]
+    for name in ("twin_fraction", "distractor_fraction", "married_fraction"):
+        value = getattr(cfg, name)
+        problems.append((0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value}"))
+    for ok, message in problems:
+        if not ok:
+            raise ValueError(f"toy world: {message}")
 
 
 def generate_world(cfg: Optional[ToyWorldConfig] = None) -> ToyWorld:
-    """Build the world in memory from ``cfg.seed`` alone (no global randomness)."""
+    """Build the world in memory; everything follows from ``cfg`` (one ``random.Random(cfg.seed)``)."""
     cfg = cfg or ToyWorldConfig()
-    if not 1 <= cfg.max_hops <= 3:
-        raise ValueError(f"max_hops must be 1, 2 or 3, got {cfg.max_hops}")
-    if cfg.num_countries < 1 or cfg.num_cities < cfg.num_countries:
-        raise ValueError("need at least one country and at least as many cities as countries")
+    _check_config(cfg)
     rng = random.Random(cfg.seed)
     ents = _make_entities(cfg, rng)
-    passages, facts = _make_passages(ents, rng)
+    passages, facts = _make_passages(cfg, ents, rng)
     questions = _make_questions(cfg, ents, facts, rng)
-    return ToyWorld(cfg, ents, passages, facts, questions)
+    n_test = int(round(cfg.test_fraction * len(questions)))
+    splits = {"train": questions[: len(questions) - n_test], "test": questions[len(questions) - n_test:]}
+    examples = {
+        split: [QAExample(f"{split}_{i}", q, answers, DATA_SOURCE, {"num_hops": len(hops), "hops": hops})
+                for i, (q, answers, hops) in enumerate(rows)]
+        for split, rows in splits.items()
+    }
+    return ToyWorld(cfg, ents, passages, facts, examples["train"], examples["test"])
 
 
-def hops_found(question: dict, retrieved_ids: Iterable[str]) -> list[bool]:
-    """For each gold hop of ``question``: was one of its fact's passages retrieved?"""
+def _hops(question: Union[QAExample, dict]) -> list:
+    metadata = question.metadata if isinstance(question, QAExample) else question.get("metadata") or {}
+    return metadata.get("hops") or []
+
+
+def gold_fact_passages(question: Union[QAExample, dict]) -> list[set[str]]:
+    """For each gold hop, the ids of the passages stating its fact (any one of them suffices)."""
+    return [set(map(str, h["passage_ids"])) for h in _hops(question)]
+
+
+def hops_found(question: Union[QAExample, dict], retrieved_ids: Iterable) -> list[bool]:
+    """For each gold hop: is one of its fact's passages among ``retrieved_ids``?"""
     got = set(map(str, retrieved_ids))
-    return [bool(got.intersection(h["passage_ids"])) for h in question["metadata"]["hops"]]
+    return [not ids.isdisjoint(got) for ids in gold_fact_passages(question)]
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
+def fact_recall(question: Union[QAExample, dict], retrieved_ids: Iterable) -> float:
+    """Share of the question's gold facts retrieved so far (0 to 1); needs hop labels."""
+    found = hops_found(question, retrieved_ids)
+    if not found:
+        raise ValueError("the question has no hop labels (metadata.hops); fact recall needs the toy world")
+    return sum(found) / len(found)
+
+
+def _fact_patterns() -> list[tuple[str, re.Pattern]]:
+    def pattern(sentence: str) -> re.Pattern:
+        body = re.escape(sentence).replace(re.escape("{s}"), "(?P<s>.+?)").replace(re.escape("{o}"), "(?P<o>.+?)")
+        return re.compile(body)
+
+    return [(rel, pattern(r.sentence)) for rel, r in RELATIONS.items()]
+
+
+_FACT_PATTERNS = _fact_patterns()
+
+
+def parse_facts(text: str) -> list[tuple[str, str, str]]:
+    """The ``(subject, relation, object)`` facts a passage's text states, read back from its sentences."""
+    out = []
+    for sentence in re.split(r"(?<=\.) ", text):
+        for rel, pat in _FACT_PATTERNS:
+            m = pat.fullmatch(sentence)
+            if m:
+                out.append((m.group("s"), rel, m.group("o")))
+    return out
+
+
+def summarize(world: ToyWorld) -> dict:
+    """Counts: entities by type, twins, passages (fact / distractor), questions by split and hops."""
+    fact_ids = {pid for ids in world.facts.values() for pid in ids}
+    hops = [len(_hops(q)) for q in world.questions]
+    return {
+        "seed": world.config.seed,
+        "entities": {t: sum(e["type"] == t for e in world.entities.values()) for t in TYPES},
+        "twins": sum("twin_of" in e for e in world.entities.values()),
+        "passages": len(world.passages),
+        "fact_passages": len(fact_ids),
+        "distractor_passages": len(world.passages) - len(fact_ids),
+        "questions": len(world.questions),
+        "train": len(world.train),
+        "test": len(world.test),
+        "questions_by_hops": {str(h): hops.count(h) for h in range(1, 4)},
+    }
+
+
+def _dump(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, indent=1).encode("utf-8") + b"\n"
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    with atomic_output(path) as tmp:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
 
 
 def _jsonl(rows: Iterable[dict]) -> bytes:
@@ -258,60 +481,56 @@ def _jsonl(rows: Iterable[dict]) -> bytes:
 
 
 def write_world(world: ToyWorld, out_dir: str) -> dict:
-    """Write corpus.jsonl, train/test .jsonl and .parquet, world.json and summary.json."""
-    from fastcredit.data.loaders import QAExample, write_searchr1_parquet
-
+    """Write the world's files into ``out_dir`` (created if needed), each atomically; return the summary."""
     os.makedirs(out_dir, exist_ok=True)
-    corpus = ({"id": p.id, "contents": p.contents()} for p in world.passages)
-    _write_atomic(os.path.join(out_dir, "corpus.jsonl"), _jsonl(corpus))
+    corpus = ({"id": p.id, "contents": p.contents} for p in world.passages)
+    _write_bytes(os.path.join(out_dir, "corpus.jsonl"), _jsonl(corpus))
     for split in ("train", "test"):
-        rows = world.split(split)
-        _write_atomic(os.path.join(out_dir, f"{split}.jsonl"), _jsonl(rows))
-        examples = [QAExample(r["id"], r["question"], r["golden_answers"], r["data_source"], r["metadata"]) for r in rows]
-        write_searchr1_parquet(examples, os.path.join(out_dir, f"{split}.parquet"), split)
-    world_doc = {"config": dataclasses.asdict(world.config), "entities": world.entities, "facts": world.fact_passages}
-    _write_atomic(os.path.join(out_dir, "world.json"), json.dumps(world_doc, sort_keys=True, indent=1).encode("utf-8"))
-    summary = summarise(world)
-    _write_atomic(os.path.join(out_dir, "summary.json"), json.dumps(summary, sort_keys=True, indent=1).encode("utf-8"))
+        examples = world.split(split)
+        _write_bytes(os.path.join(out_dir, f"{split}.jsonl"), _jsonl(ex.to_record() for ex in examples))
+        write_searchr1_parquet(examples, os.path.join(out_dir, f"{split}.parquet"), split=split)
+    summary = summarize(world)
+    doc = {"config": dataclasses.asdict(world.config), "summary": summary,
+           "entities": world.entities, "facts": world.facts}
+    _write_bytes(os.path.join(out_dir, "world.json"), _dump(doc))
+    _write_bytes(os.path.join(out_dir, "summary.json"), _dump(summary))
     return summary
 
 
-def summarise(world: ToyWorld) -> dict:
-    counts = {t: sum(e["type"] == t for e in world.entities.values()) for t in TYPES}
-    hops = {str(h): sum(q["metadata"]["num_hops"] == h for q in world.questions) for h in (1, 2, 3)}
-    return {"seed": world.config.seed, "entities": counts, "passages": len(world.passages),
-            "questions": len(world.questions), "train": len(world.split("train")),
-            "test": len(world.split("test")), "questions_by_hops": hops}
-
-
 def load_world(out_dir: str) -> ToyWorld:
-    """Read a written world back (entities, passages, questions)."""
-    from fastcredit.data.loaders import DataError, iter_corpus, load_flashrag_jsonl
-
+    """Read a written world back: config, entities, facts, passages and both splits."""
     path = os.path.join(out_dir, "world.json")
     try:
         with open(path, encoding="utf-8") as fh:
             doc = json.load(fh)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path}: cannot read the toy world ({exc})") from None
-    cfg = ToyWorldConfig(**doc["config"])
-    passages = [Passage(pid, title, text) for pid, title, text in iter_corpus(os.path.join(out_dir, "corpus.jsonl"))]
-    questions = []
-    for split in ("train", "test"):
-        for ex in load_flashrag_jsonl(os.path.join(out_dir, f"{split}.jsonl")):
-            questions.append({"id": ex.id, "question": ex.question, "golden_answers": ex.golden_answers,
-                              "data_source": ex.data_source, "metadata": ex.metadata})
-    return ToyWorld(cfg, doc["entities"], passages, doc["facts"], questions)
+        cfg = ToyWorldConfig(**doc["config"])
+        entities, facts = doc["entities"], doc["facts"]
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file (not a toy-world folder?)") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{path}: not a readable toy world ({type(exc).__name__}: {exc})") from None
+    passages = []
+    for row, (pid, title, text) in enumerate(iter_corpus(os.path.join(out_dir, "corpus.jsonl"))):
+        if pid != str(row):  # Passage lookup by id relies on id == line number
+            raise DataError(f"{out_dir}/corpus.jsonl line {row + 1}: field 'id' is {pid!r}, expected {str(row)!r}")
+        passages.append(Passage(pid, title, text))
+    return ToyWorld(cfg, entities, passages, facts, load_toyworld(out_dir, "train"), load_toyworld(out_dir, "test"))
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(description="Generate the toy world's files.")
-    parser.add_argument("--out", required=True, help="output directory")
+    """The command line: generate, write, print the summary; exit status 2 on a bad config."""
+    parser = argparse.ArgumentParser(prog="python -m fastcredit.data.toyworld", description="Write the toy world's files.")
+    parser.add_argument("--out", required=True, help="output folder")
     for f in dataclasses.fields(ToyWorldConfig):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default, help=f.metadata["help"])
+        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
+                            help=f"{f.metadata['help']} (default {f.default})")
     args = parser.parse_args(argv)
     cfg = ToyWorldConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ToyWorldConfig)})
-    summary = write_world(generate_world(cfg), args.out)
+    try:
+        summary = write_world(generate_world(cfg), args.out)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(summary, indent=1, sort_keys=True))
     return 0
 
