@@ -2,6 +2,12 @@
 
 Equations and defaults: METHODS.md. Each switch names the paper's behaviour as the
 default and the released code's as an alternative where the two disagree.
+
+Who reads what: the estimators in this package read ``credit.*`` except ``reward``,
+``lambda_f`` and ``format_bonus`` (``fastcredit.rewards``), ``critic.retries`` and
+``criticsearch.gold_answer`` (the judge that asks the critic) and ``dynamic_sampling``
+(the trainer, through ``fastcredit.credit.dapo``); ``fastcredit.loss`` reads ``loss.*``.
+No torch import here: the config loader stays light.
 """
 from __future__ import annotations
 
@@ -72,7 +78,8 @@ class CreditConfig:
     eps: float = _f(1e-6, "epsilon of the group std")
     gamma: float = _f(1.0, "GAE discount (ppo, pica)")
     lam: float = _f(1.0, "GAE lambda (ppo, pica)")
-    kl_in_reward: float = _f(0.0, "beta of a per-token -beta * KL reward (ppo); 0 keeps KL in the loss only")
+    whiten_advantages: bool = _f(False, "ppo / pica: whiten GAE advantages over the batch's action tokens, as veRL's GAE does")
+    kl_in_reward: float = _f(0.0, "beta of a per-token -beta * KL reward (ppo, pica); 0 keeps KL in the loss only")
     critic: CriticConfig = _f(CriticConfig, "critic / judge failure policy")
     criticsearch: CriticSearchConfig = _f(CriticSearchConfig, "CriticSearch switches")
     cwgrpo: CWGRPOConfig = _f(CWGRPOConfig, "CW-GRPO switches")

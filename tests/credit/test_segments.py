@@ -1,0 +1,116 @@
+"""The vectorised segment helpers: group statistics, reward placement, and the discounted scan."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastcredit.credit.reference import group_advantage_reference
+from fastcredit.credit.segments import (
+    degenerate_groups,
+    discounted_suffix_sum,
+    group_advantage,
+    next_in_row,
+    row_ends,
+    turn_last_action,
+    turn_layout,
+    whiten,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are tiny: intra-op threads only add synchronisation (slow on a loaded machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _scan_loop(x, rows, c):
+    """y_k = x_k + c·y_{k+1} inside a row, the GAE recursion, in float64."""
+    y = [0.0] * len(x)
+    for k in reversed(range(len(x))):
+        carry = y[k + 1] if k + 1 < len(x) and rows[k + 1] == rows[k] else 0.0
+        y[k] = x[k] + c * carry
+    return torch.tensor(y, dtype=torch.float64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.sampled_from([0.0, 1e-3, 0.3, 0.9, 0.999, 1.0]),
+       st.integers(0, 2**31 - 1))
+def test_discounted_suffix_sum_matches_the_recursion(lengths, c, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.repeat_interleave(torch.arange(len(lengths)) * 2, torch.tensor(lengths))  # ids skip
+    x = torch.randn(rows.numel(), generator=gen, dtype=torch.float64)
+    expect = _scan_loop(x.tolist(), rows.tolist(), c)
+    assert torch.allclose(discounted_suffix_sum(x, row_ends(rows), c), expect, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("c", [0.5, 0.95, 0.99, 0.999, 1.0])
+def test_discounted_suffix_sum_long_rows_do_not_overflow(c):
+    """20,000-token rows: c^(-k) alone would overflow float64 for c ≤ 0.95 (k ≈ 14,000)."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([20_000, 7, 15_000, 1])
+    rows = torch.repeat_interleave(torch.arange(4), lengths)
+    x = torch.randn(rows.numel(), generator=gen, dtype=torch.float64)
+    x[torch.rand(rows.numel(), generator=gen) < 0.01] *= 1e3  # a few large rewards
+    y = discounted_suffix_sum(x, row_ends(rows), c)
+    assert torch.isfinite(y).all()
+    assert torch.allclose(y, _scan_loop(x.tolist(), rows.tolist(), c), rtol=1e-6, atol=1e-6)
+
+
+def test_discounted_suffix_sum_rejects_a_discount_above_one():
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        discounted_suffix_sum(torch.ones(3), torch.full((3,), 3), 1.5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from([0.0, 0.2, 0.8, 1.0])), min_size=1, max_size=40),
+       st.booleans(), st.sampled_from([1e-6, 0.1]))
+def test_group_advantage_matches_reference(members, norm, eps):
+    groups = torch.tensor([g * 7 for g, _ in members])
+    rewards = torch.tensor([r for _, r in members])
+    expect = group_advantage_reference(rewards.tolist(), groups.tolist(), norm, eps)
+    assert torch.allclose(group_advantage(rewards, groups, norm, eps), torch.tensor(expect, dtype=torch.float64),
+                          atol=1e-9)
+
+
+def test_group_advantage_hand_worked():
+    # Group 0: r = (1, 0, 0, 1): mean 0.5, unbiased std = sqrt(4 · 0.25 / 3) = 0.5773503.
+    #   Â = ±0.5 / (0.5773503 + 1e-6) = ±0.8660239.
+    # Group 9: a single sample: Â = 0. Group 4: (0.2, 0.2): std 0, Â = 0 / (0 + ε) = 0.
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.7, 0.2, 0.2])
+    g = torch.tensor([0, 0, 0, 0, 9, 4, 4])
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    assert torch.allclose(group_advantage(r, g), torch.tensor([a, -a, -a, a, 0, 0, 0], dtype=torch.float64))
+    # Dr. GRPO (norm_by_std=False): r − mean.
+    assert torch.allclose(group_advantage(r, g, norm_by_std=False),
+                          torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0], dtype=torch.float64))
+    assert degenerate_groups(r, g).tolist() == [False] * 4 + [True] * 3
+
+
+def test_turn_layout_and_reward_positions():
+    # Trajectory 0: turns with 2, 0, 3 action tokens; trajectory 1: 0 then 1; trajectory 2: one empty turn.
+    alen = torch.tensor([2, 0, 3, 0, 1, 0])
+    traj = torch.tensor([0, 0, 0, 1, 1, 2])
+    T, first, t, final = turn_layout(traj, 3)
+    assert T.tolist() == [3, 2, 1] and first.tolist() == [0, 3, 5]
+    assert t.tolist() == [1, 2, 3, 1, 2, 1] and final.tolist() == [False, False, True, False, True, True]
+    # Action stream: traj 0 holds A = 0..4, traj 1 holds A = 5. An empty turn pays on the
+    # nearest earlier action token of its trajectory; none there: -1.
+    assert turn_last_action(alen, traj, 3).tolist() == [1, 1, 4, -1, 5, -1]
+
+
+def test_next_in_row_and_whiten():
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    ends = row_ends(torch.tensor([0, 0, 3, 3]))
+    assert ends.tolist() == [2, 2, 4, 4]
+    assert next_in_row(x, ends).tolist() == [2.0, 0.0, 4.0, 0.0]
+    # Per-turn values with weights (token counts) whiten like their per-token broadcast.
+    turn = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    counts = torch.tensor([2, 3, 1])
+    tokens = torch.repeat_interleave(turn, counts)
+    expect = (tokens - tokens.mean()) / torch.sqrt(tokens.var() + 1e-8)
+    assert torch.allclose(torch.repeat_interleave(whiten(turn, counts), counts), expect)
