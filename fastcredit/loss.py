@@ -35,6 +35,7 @@ This file never imports ``torch.distributed``.
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -47,6 +48,7 @@ from fastcredit.credit.segments import gather_turns
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "turn-mean")
 # The fused Triton kernel (next issue) plugs in here, with policy_loss_torch's signature.
 KERNEL_MODULE, KERNEL_FN = "fastcredit.kernels.turn_surrogate", "turn_surrogate_loss"
+IMPL_ENV = "FASTCREDIT_LOSS_IMPL"  # auto | triton | torch; overrides loss.impl (the fused log-prob reads it too)
 
 
 @dataclass
@@ -205,11 +207,11 @@ def policy_loss(logp_N: torch.Tensor, old_logp_N: torch.Tensor, seg_id_N: torch.
                 **kwargs) -> tuple[torch.Tensor, dict]:
     """The policy loss; the single dispatch point between the Triton kernel and the torch reference.
 
-    ``impl`` (default ``cfg.impl``): ``torch`` always runs :func:`policy_loss_torch`;
+    ``impl`` (default: ``$FASTCREDIT_LOSS_IMPL`` if set, else ``cfg.impl``): ``torch`` always runs :func:`policy_loss_torch`;
     ``auto`` runs the kernel for CUDA tensors when it is installed; ``triton`` insists on
     it. Keyword arguments are those of :func:`policy_loss_torch`.
     """
-    kernel = _resolve_impl(cfg.impl if impl is None else impl, logp_N)
+    kernel = _resolve_impl(impl or os.environ.get(IMPL_ENV) or cfg.impl, logp_N)
     fn = policy_loss_torch if kernel is None else kernel
     return fn(logp_N, old_logp_N, seg_id_N, seg_traj_S, counts, cfg, **kwargs)
 

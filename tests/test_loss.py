@@ -244,6 +244,13 @@ def test_dispatch(monkeypatch):
     assert torch.equal(policy_loss(*args, _cfg(impl="auto"), **adv)[0], ref)
     assert torch.equal(policy_loss(*args, _cfg(impl="triton"), impl="torch", **adv)[0], ref)
     assert len(calls) == 1
+    # The environment variable overrides loss.impl; an explicit impl= overrides both.
+    monkeypatch.setenv("FASTCREDIT_LOSS_IMPL", "triton")
+    assert float(policy_loss(*args, _cfg(impl="torch"), **adv)[0]) == 7.0 and len(calls) == 2
+    assert torch.equal(policy_loss(*args, _cfg(impl="triton"), impl="torch", **adv)[0], ref)
+    monkeypatch.setenv("FASTCREDIT_LOSS_IMPL", "torch")
+    assert torch.equal(policy_loss(*args, _cfg(impl="triton"), **adv)[0], ref) and len(calls) == 2
+    monkeypatch.delenv("FASTCREDIT_LOSS_IMPL")
     monkeypatch.setattr(fastcredit.loss, "KERNEL_MODULE", "fastcredit.no_such_kernel")
     with pytest.raises(RuntimeError, match="no_such_kernel"):
         policy_loss(*args, _cfg(impl="triton"), **adv)
@@ -254,3 +261,19 @@ def test_dispatch(monkeypatch):
         policy_loss_torch(*args, _cfg(), adv_S=adv["adv_S"], adv_N=torch.zeros(b.num_tokens))
     with pytest.raises(ValueError, match="agg_mode"):
         policy_loss_torch(*args, _cfg(agg_mode="sum"), **adv)
+
+
+def test_forced_triton_runs_the_real_kernel_and_agrees():
+    """impl=triton on CPU tensors runs the fused kernel (interpreted here, compiled on a GPU)."""
+    b = _tiny()
+    g = torch.Generator().manual_seed(0)
+    logp = (-torch.rand(b.num_tokens, generator=g)).requires_grad_()
+    old = logp.detach() + 0.1 * torch.randn(b.num_tokens, generator=g)
+    args = (b.seg_id_N, b.seg_traj_S, loss_counts(b.seg_id_N, b.seg_traj_S))
+    for mode in AGG_MODES:
+        cfg = _cfg(agg_mode=mode)
+        fused, _ = policy_loss(logp, old, *args, cfg, impl="triton", adv_S=torch.tensor([1.0, 2.0, -1.0]))
+        ref, _ = policy_loss(logp, old, *args, cfg, impl="torch", adv_S=torch.tensor([1.0, 2.0, -1.0]))
+        (d_fused,), (d_ref,) = torch.autograd.grad(fused, logp), torch.autograd.grad(ref, logp)
+        torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(d_fused, d_ref, rtol=1e-5, atol=1e-7)

@@ -1,0 +1,300 @@
+"""Fused linear log-prob: ``hidden @ headᵀ / T`` → log-prob of the target and entropy, never ``[N, V]``.
+
+Legend (shape suffixes): N tokens, H hidden size, V vocabulary, K vocabulary splits of
+the forward, C vocabulary chunk of the backward.
+
+Forward: one Triton kernel tiles tokens (BLOCK_N) × vocabulary (BLOCK_V), runs the
+matmul over H in BLOCK_H steps, and keeps an online max / sum-exp / sum-exp·z per row
+over its slice of the vocabulary; a second kernel merges the K slices. Backward: the
+vocabulary is walked in chunks of C columns; a Triton kernel recomputes the logits of a
+chunk tile by tile and writes dlogits ``[N, C]``; two GEMMs then give ``dW[chunk] =
+dlogitsᵀ @ hidden`` (complete: no accumulation across chunks) and ``dH += dlogits @
+W[chunk]`` (fp32, chunks in a fixed order). Derivation: README.md.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _logits_tile(HID, W, rows, cols, N, v_hi, H, stride_hn, stride_wv, BLOCK_N: tl.constexpr,
+                 BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr, DOT_F32: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """fp32 [BLOCK_N, BLOCK_V] = hidden[rows] @ W[cols]ᵀ (rows, cols int64; out-of-range lanes read 0)."""
+    rmask = rows < N
+    cmask = cols < v_hi
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_H):
+        ks = k0 + tl.arange(0, BLOCK_H)
+        if EVEN_H:
+            amask = rmask[:, None]
+            bmask = cmask[:, None]
+        else:
+            amask = rmask[:, None] & (ks < H)[None, :]
+            bmask = cmask[:, None] & (ks < H)[None, :]
+        a = tl.load(HID + rows[:, None] * stride_hn + ks[None, :], mask=amask, other=0.0)  # [BLOCK_N, BLOCK_H]
+        b = tl.load(W + cols[:, None] * stride_wv + ks[None, :], mask=bmask, other=0.0)  # [BLOCK_V, BLOCK_H]
+        if DOT_F32:
+            # NOTE: the interpreter multiplies bf16 bit patterns in tl.dot; fp32 products of bf16 are exact.
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _fwd_kernel(HID, W, TGT, PART, N, V, H, stride_hn, stride_wv, inv_temp, v_per_split, n_splits, plane,
+                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr,
+                DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """PART[:, split, rows] = (max z, Σ e^(z-max), Σ e^(z-max)(z-max), target z) over one vocabulary slice."""
+    # Splits vary fastest: programs running together share hidden rows and walk their W slices in step.
+    pid = tl.program_id(0)
+    pid_n = pid // n_splits
+    pid_s = pid % n_splits
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    tgt = tl.load(TGT + rows, mask=rows < N, other=-1).to(tl.int64)
+    v_lo = pid_s.to(tl.int64) * v_per_split
+    v_hi = tl.minimum(v_lo + v_per_split, V)
+    m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    t = tl.zeros([BLOCK_N], dtype=tl.float32)
+    zt = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for v0 in range(v_lo, v_hi, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        valid = (cols < v_hi)[None, :]
+        z = _logits_tile(HID, W, rows, cols, N, v_hi, H, stride_hn, stride_wv, BLOCK_N, BLOCK_V, BLOCK_H,
+                         EVEN_H, DOT_F32, PRECISION) * inv_temp
+        z = tl.where(valid, z, float("-inf"))  # [BLOCK_N, BLOCK_V]
+        m_new = tl.maximum(m, tl.max(z, 1))
+        alpha = tl.exp(m - m_new)
+        shift = tl.where(s > 0, m - m_new, 0.0)  # s == 0 while m is still -inf
+        d = z - m_new[:, None]  # <= 0; -inf on padding columns
+        e = tl.exp(d)
+        t = alpha * (t + shift * s) + tl.sum(e * tl.where(valid, d, 0.0), 1)
+        s = alpha * s + tl.sum(e, 1)
+        zt += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), 1)
+        m = m_new
+    out = PART + pid_s.to(tl.int64) * N + rows  # PART is [4, K, N]; plane = K * N
+    rmask = rows < N
+    tl.store(out, m, mask=rmask)
+    tl.store(out + plane, s, mask=rmask)
+    tl.store(out + 2 * plane, t, mask=rmask)
+    tl.store(out + 3 * plane, zt, mask=rmask)
+
+
+@triton.jit
+def _combine_kernel(PART, TGT, LOGP, ENT, LSE, N, V, n_splits, plane, BLOCK: tl.constexpr):
+    """Merge the K slices of each row: lse = M + log S, entropy = log S - T/S, logp = z_target - lse."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    rmask = rows < N
+    big_m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    for k in range(0, n_splits):
+        big_m = tl.maximum(big_m, tl.load(PART + k * N + rows, mask=rmask, other=0.0))
+    big_s = tl.zeros([BLOCK], dtype=tl.float32)
+    big_t = tl.zeros([BLOCK], dtype=tl.float32)
+    zt = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in range(0, n_splits):
+        p = PART + k * N + rows
+        m_k = tl.load(p, mask=rmask, other=0.0)
+        s_k = tl.load(p + plane, mask=rmask, other=1.0)  # rows past N: finite, never stored
+        a = tl.exp(m_k - big_m)  # 0 for an empty slice (m_k = -inf)
+        big_s += a * s_k
+        big_t += a * (tl.load(p + 2 * plane, mask=rmask, other=0.0) + tl.where(s_k > 0, m_k - big_m, 0.0) * s_k)
+        zt += tl.load(p + 3 * plane, mask=rmask, other=0.0)
+    log_s = tl.log(big_s)
+    lse = big_m + log_s
+    tgt = tl.load(TGT + rows, mask=rmask, other=-1)
+    tl.store(LOGP + rows, tl.where((tgt >= 0) & (tgt < V), zt - lse, 0.0), mask=rmask)
+    tl.store(ENT + rows, log_s - big_t / big_s, mask=rmask)
+    tl.store(LSE + rows, lse, mask=rmask)
+
+
+@triton.jit
+def _dlogits_kernel(HID, W, TGT, LSE, ENT, GLOGP, GENT, DZ, N, V, H, c0, c_hi, stride_hn, stride_wv, stride_dz,
+                    inv_temp, HAS_GLOGP: tl.constexpr, HAS_GENT: tl.constexpr, GROUP_N: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr,
+                    DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """DZ[rows, cols - c0] = d(loss)/d(hidden @ Wᵀ) for vocabulary columns [c0, c_hi), logits recomputed."""
+    pid = tl.program_id(0)
+    n_pid_n = tl.cdiv(N, BLOCK_N)
+    n_pid_v = tl.cdiv(c_hi - c0, BLOCK_V)
+    # Grouped order: GROUP_N row blocks sweep the chunk's columns together (L2 reuse of W).
+    group = pid // (GROUP_N * n_pid_v)
+    first_n = group * GROUP_N
+    group_size = tl.minimum(n_pid_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % (GROUP_N * n_pid_v)) % group_size
+    pid_v = (pid % (GROUP_N * n_pid_v)) // group_size
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    cols = c0 + pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    rmask = rows < N
+    z = _logits_tile(HID, W, rows, cols, N, c_hi, H, stride_hn, stride_wv, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H,
+                     DOT_F32, PRECISION) * inv_temp
+    lse = tl.load(LSE + rows, mask=rmask, other=0.0)
+    p = tl.exp(z - lse[:, None])  # [BLOCK_N, BLOCK_V] softmax probabilities
+    dz = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    if HAS_GLOGP:
+        tgt = tl.load(TGT + rows, mask=rmask, other=-1).to(tl.int64)
+        g = tl.load(GLOGP + rows, mask=rmask & (tgt >= 0) & (tgt < V), other=0.0).to(tl.float32)
+        dz += g[:, None] * (tl.where(cols[None, :] == tgt[:, None], 1.0, 0.0) - p)
+    if HAS_GENT:
+        mu = lse - tl.load(ENT + rows, mask=rmask, other=0.0)  # Σ p z = lse - entropy
+        g_ent = tl.load(GENT + rows, mask=rmask, other=0.0).to(tl.float32)
+        dz -= g_ent[:, None] * p * (z - mu[:, None])
+    out = DZ + rows[:, None] * stride_dz + (cols - c0)[None, :]
+    tl.store(out, (dz * inv_temp).to(DZ.dtype.element_ty), mask=rmask[:, None] & (cols < c_hi)[None, :])
+
+
+@dataclass(frozen=True)
+class LogprobConfig:
+    """Tiles and launch shape. ``n_splits``: vocabulary slices of the forward; ``chunk_v``: C."""
+
+    block_n: int = 128
+    block_v: int = 128
+    block_h: int = 64
+    n_splits: int = 16
+    chunk_v: int = 8192
+    group_n: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def default_config(N: int, V: int, H: int, dtype: torch.dtype) -> LogprobConfig:
+    """Launch shape for these sizes: large tiles on the interpreter, where every program costs ~ms."""
+    if _interpreted():
+        return LogprobConfig(block_n=min(512, triton.next_power_of_2(max(N, 16))), block_v=1024,
+                             block_h=min(64, triton.next_power_of_2(max(H, 16))), n_splits=2, chunk_v=4096)
+    cfg = LogprobConfig() if dtype != torch.float32 else LogprobConfig(block_h=32, num_stages=2)
+    # NOTE: dlogits chunk C × N elements; at most ~1 GiB so the backward stays far below the unfused peak.
+    elt = torch.finfo(dtype).bits // 8
+    chunk = max(cfg.block_v, min(cfg.chunk_v, (1 << 30) // max(N * elt, 1)) // cfg.block_v * cfg.block_v)
+    return replace(cfg, chunk_v=chunk)
+
+
+def _dot_flags(dtype: torch.dtype) -> dict:
+    upcast = _interpreted()
+    exact = upcast or dtype == torch.float32
+    return dict(DOT_F32=upcast, PRECISION="ieee" if exact else "tf32")
+
+
+def linear_logprob_fwd(hidden_NH, weight_VH, target_N, temperature: float, cfg: LogprobConfig):
+    """``(logp_N, entropy_N, lse_N)``, all fp32; ``hidden_NH`` and ``weight_VH`` row-major."""
+    N, H = hidden_NH.shape
+    V = weight_VH.shape[0]
+    dev = hidden_NH.device
+    logp_N = torch.empty(N, dtype=torch.float32, device=dev)
+    entropy_N = torch.empty(N, dtype=torch.float32, device=dev)
+    lse_N = torch.empty(N, dtype=torch.float32, device=dev)
+    if N == 0:
+        return logp_N, entropy_N, lse_N
+    n_tiles = triton.cdiv(V, cfg.block_v)
+    n_splits = max(1, min(cfg.n_splits, n_tiles))
+    v_per_split = triton.cdiv(n_tiles, n_splits) * cfg.block_v
+    part = torch.empty((4, n_splits, N), dtype=torch.float32, device=dev)  # [4, K, N]
+    grid = (triton.cdiv(N, cfg.block_n) * n_splits,)
+    _fwd_kernel[grid](hidden_NH, weight_VH, target_N, part, N, V, H, hidden_NH.stride(0), weight_VH.stride(0),
+                      1.0 / temperature, v_per_split, n_splits, n_splits * N, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v,
+                      BLOCK_H=cfg.block_h, EVEN_H=H % cfg.block_h == 0, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages, **_dot_flags(hidden_NH.dtype))
+    block = 1024
+    _combine_kernel[(triton.cdiv(N, block),)](part, target_N, logp_N, entropy_N, lse_N, N, V, n_splits,
+                                              n_splits * N, BLOCK=block, num_warps=4)
+    return logp_N, entropy_N, lse_N
+
+
+@functools.lru_cache(maxsize=None)
+def _addmm_fp32_out_works(device: str) -> bool:
+    """Whether this torch/device does bf16 × bf16 + fp32 → fp32 in one cuBLAS call (``out_dtype``)."""
+    try:
+        a = torch.ones((2, 2), dtype=torch.bfloat16, device=device)
+        torch.addmm(torch.zeros((2, 2), device=device), a, a, out_dtype=torch.float32)
+        return True
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _accumulate_mm(acc_NH: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 ``acc + a @ b`` without rounding ``a @ b`` to a's dtype first."""
+    if a.dtype == torch.float32:
+        return acc_NH.addmm_(a, b)
+    if a.is_cuda and _addmm_fp32_out_works(str(a.device)):
+        return torch.addmm(acc_NH, a, b, out_dtype=torch.float32)
+    return acc_NH.addmm_(a.float(), b.float())
+
+
+def linear_logprob_bwd(g_logp_N, g_ent_N, hidden_NH, weight_VH, target_N, lse_N, entropy_N, temperature: float,
+                       cfg: LogprobConfig, need_dh: bool = True, need_dw: bool = True):
+    """``(dhidden_NH or None, dweight_VH or None)`` for upstream grads of logp and entropy (either may be None)."""
+    N, H = hidden_NH.shape
+    V = weight_VH.shape[0]
+    dh_NH = torch.zeros((N, H), dtype=torch.float32, device=hidden_NH.device) if need_dh else None
+    dw_VH = torch.empty_like(weight_VH) if need_dw else None
+    chunk = min(cfg.chunk_v, triton.cdiv(V, cfg.block_v) * cfg.block_v)
+    dz_NC = torch.empty((N, chunk), dtype=hidden_NH.dtype, device=hidden_NH.device)
+    for c0 in range(0, V, chunk):
+        c_hi = min(c0 + chunk, V)
+        grid = (triton.cdiv(N, cfg.block_n) * triton.cdiv(c_hi - c0, cfg.block_v),)
+        if N:
+            _dlogits_kernel[grid](
+                hidden_NH, weight_VH, target_N, lse_N, entropy_N, g_logp_N, g_ent_N, dz_NC, N, V, H, c0, c_hi,
+                hidden_NH.stride(0), weight_VH.stride(0), dz_NC.stride(0), 1.0 / temperature,
+                HAS_GLOGP=g_logp_N is not None, HAS_GENT=g_ent_N is not None, GROUP_N=cfg.group_n,
+                BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_H=H % cfg.block_h == 0,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_dot_flags(hidden_NH.dtype))
+        dz = dz_NC[:, : c_hi - c0]  # [N, C]
+        if need_dw:
+            torch.mm(dz.t(), hidden_NH, out=dw_VH[c0:c_hi])
+        if need_dh:
+            dh_NH = _accumulate_mm(dh_NH, dz, weight_VH[c0:c_hi])
+    return (dh_NH.to(hidden_NH.dtype) if need_dh else None), dw_VH
+
+
+class LinearLogprobFunction(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H], target [N]) → (logp [N] fp32, entropy [N] fp32)."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, target_N, temperature: float, cfg: LogprobConfig):
+        logp_N, entropy_N, lse_N = linear_logprob_fwd(hidden_NH, weight_VH, target_N, temperature, cfg)
+        ctx.save_for_backward(hidden_NH, weight_VH, target_N, lse_N, entropy_N)
+        ctx.temperature, ctx.cfg = temperature, cfg
+        ctx.set_materialize_grads(False)
+        return logp_N, entropy_N
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_logp_N, g_ent_N):
+        hidden_NH, weight_VH, target_N, lse_N, entropy_N = ctx.saved_tensors
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (g_logp_N is None and g_ent_N is None) or not (need_dh or need_dw):
+            return None, None, None, None, None
+        g_logp_N = None if g_logp_N is None else g_logp_N.contiguous()
+        g_ent_N = None if g_ent_N is None else g_ent_N.contiguous()
+        dh, dw = linear_logprob_bwd(g_logp_N, g_ent_N, hidden_NH, weight_VH, target_N, lse_N, entropy_N,
+                                    ctx.temperature, ctx.cfg, need_dh, need_dw)
+        return dh, dw, None, None, None
+
+
+def linear_logprob_triton(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, target_N: torch.Tensor,
+                          temperature: float = 1.0, config: Optional[LogprobConfig] = None):
+    """The fused kernels: ``(logp_N, entropy_N)`` in fp32, differentiable in hidden and weight."""
+    if hidden_NH.dim() != 2 or weight_VH.dim() != 2 or hidden_NH.shape[1] != weight_VH.shape[1]:
+        raise ValueError(f"need hidden [N, H] and weight [V, H], got {list(hidden_NH.shape)} and "
+                         f"{list(weight_VH.shape)}")
+    if hidden_NH.dtype != weight_VH.dtype:
+        raise ValueError(f"hidden is {hidden_NH.dtype} but weight is {weight_VH.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    N, H = hidden_NH.shape
+    cfg = config or default_config(N, weight_VH.shape[0], H, hidden_NH.dtype)
+    return LinearLogprobFunction.apply(hidden_NH.contiguous(), weight_VH.contiguous(),
+                                       target_N.reshape(-1).contiguous(), float(temperature), cfg)
