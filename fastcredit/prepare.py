@@ -28,9 +28,14 @@ from fastcredit.rewards import score_trajectory
 
 
 def format_observation(passages: list[tuple[str, str]]) -> str:
-    """Search-R1's observation text: ``Doc i(Title: t) text`` lines inside ``<information>``."""
-    body = "".join(f"Doc {i + 1}(Title: {title}) {text}\n" for i, (title, text) in enumerate(passages))
-    return f"\n\n<information>{body}</information>\n\n"
+    """Search-R1's observation text for ``(title, text)`` passages (``Doc i(Title: "t") text``).
+
+    The corpus reader drops the title's quotes; Search-R1 shows the ``contents`` field's
+    first line, quotes included, so they are put back before formatting.
+    """
+    from fastcredit.retrieval.observation import format_observation as from_contents
+
+    return from_contents(f'"{title}"\n{text}' for title, text in passages)
 
 
 def oracle_turns(example: QAExample, passages: dict) -> list[tuple[str, str]]:

@@ -11,7 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_observation_format_matches_searchr1():
-    assert format_observation([("A", "x."), ("B", "y.")]) == "\n\n<information>Doc 1(Title: A) x.\nDoc 2(Title: B) y.\n</information>\n\n"
+    # Search-R1: titles keep the corpus's quotes, the passages string is stripped inside the tags.
+    assert format_observation([("A", "x."), ("B", "y.")]) == (
+        '\n\n<information>Doc 1(Title: "A") x.\nDoc 2(Title: "B") y.</information>\n\n')
 
 
 def test_pipeline_on_the_debug_config(tmp_path):

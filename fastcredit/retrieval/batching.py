@@ -1,0 +1,138 @@
+"""Dynamic batching for asyncio callers: many concurrent requests, one worker thread.
+
+Each request is a list of items (the queries of one ``/retrieve`` call, or one agent's
+search); requests are never split. A batch is sent to the worker when it holds
+``max_batch`` items or when its oldest request has waited ``timeout_ms``; while the worker
+runs, new requests queue and form the next batch, so the worker is never idle while work
+waits and a request never waits for more than one batch ahead of it plus the timeout.
+The queue is bounded: past ``max_queue`` waiting items :class:`QueueFull` is raised at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+from typing import Callable, Optional, Sequence
+
+
+class QueueFull(RuntimeError):
+    """The batcher already holds ``max_queue`` waiting items."""
+
+
+class MicroBatcher:
+    """``await batcher.submit(items)`` → ``fn``'s results for those items, in order.
+
+    ``fn(items: list) -> list`` (same length) runs in a single worker thread, one batch at a time.
+    """
+
+    def __init__(self, fn: Callable[[list], Sequence], max_batch: int = 256, timeout_ms: float = 2.0,
+                 max_queue: int = 4096, executor: Optional[concurrent.futures.Executor] = None):
+        if max_batch < 1 or max_queue < 1:
+            raise ValueError(f"max_batch ({max_batch}) and max_queue ({max_queue}) must be positive")
+        self.fn, self.max_batch, self.timeout_s, self.max_queue = fn, max_batch, timeout_ms / 1000.0, max_queue
+        self._executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="retrieval")
+        self._own_executor = executor is None
+        self._pending: collections.deque = collections.deque()  # (items, future, arrival time)
+        self._queued = 0
+        self._wake: Optional[asyncio.Event] = None
+        self._task: Optional[asyncio.Task] = None
+        self.batches = 0
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def start(self) -> None:
+        """Start the batching loop on the running event loop."""
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for _, fut, _ in self._pending:
+            if not fut.done():
+                fut.set_exception(RuntimeError("retrieval batcher closed"))
+        self._pending.clear()
+        if self._own_executor:
+            self._executor.shutdown(wait=False)
+
+    async def submit(self, items: list) -> list:
+        if self._task is None:
+            raise RuntimeError("MicroBatcher.start() was not called")
+        if self._queued + len(items) > self.max_queue:
+            raise QueueFull(f"retrieval queue is full ({self._queued} items waiting, limit {self.max_queue})")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._pending.append((items, fut, loop.time()))
+        self._queued += len(items)
+        self._wake.set()
+        return await fut
+
+    def _drop_cancelled(self) -> None:
+        # A request that timed out while queued leaves a cancelled future: never compute it.
+        while self._pending and self._pending[0][1].done():
+            self._queued -= len(self._pending.popleft()[0])
+
+    def _take(self) -> list:
+        batch, size = [], 0
+        while self._pending:
+            items, fut, _ = self._pending[0]
+            if fut.done():
+                self._pending.popleft()
+                self._queued -= len(items)
+                continue
+            if batch and size + len(items) > self.max_batch:
+                break
+            self._pending.popleft()
+            self._queued -= len(items)
+            batch.append((items, fut))
+            size += len(items)
+        return batch
+
+    async def _fill(self) -> None:
+        """Wait until the oldest request's timeout ends or a full batch waits."""
+        loop = asyncio.get_running_loop()
+        while self._pending:
+            self._drop_cancelled()
+            if not self._pending or self._queued >= self.max_batch:
+                return
+            remaining = self._pending[0][2] + self.timeout_s - loop.time()
+            if remaining <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._pending:
+                self._wake.clear()
+                await self._wake.wait()
+            await self._fill()
+            batch = self._take()
+            if not batch:
+                continue
+            flat = [it for items, _ in batch for it in items]
+            try:
+                results = await loop.run_in_executor(self._executor, self.fn, flat)
+                if len(results) != len(flat):
+                    raise RuntimeError(f"batch function returned {len(results)} results for {len(flat)} items")
+            except Exception as exc:  # the worker's failure belongs to the batch's requests, not to the loop
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                continue
+            self.batches += 1
+            at = 0
+            for items, fut in batch:
+                if not fut.done():
+                    fut.set_result(list(results[at:at + len(items)]))
+                at += len(items)
