@@ -422,6 +422,14 @@ def from_padded(
     return from_turns(trajectories, **outcomes)
 
 
+def selection_index(batch: TrajectoryBatch, index_K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tok_N', seg_S')``: the packed token and turn indices of trajectories ``index_K``, in
+    :func:`select`'s order, to cut per-token and per-turn tensors that live beside the batch."""
+    index_K = torch.as_tensor(index_K, dtype=torch.int64).reshape(-1)
+    return (_ranges(batch.cu_seqlens.long()[index_K], batch.seqlens_B[index_K]),
+            _ranges(batch.first_seg_B[index_K], batch.turns_per_traj_B[index_K]))
+
+
 def select(batch: TrajectoryBatch, index_K: torch.Tensor) -> TrajectoryBatch:
     """Keep the trajectories ``index_K`` (in that order); vectorised, no Python loop over tokens."""
     index_K = torch.as_tensor(index_K, dtype=torch.int64).reshape(-1)

@@ -1,0 +1,90 @@
+"""Defensive parsers of judge output: they never raise; ``None`` means "could not parse" (counted by the runners).
+
+The last verdict in an output wins (judges analyse first, then conclude). Trajectory text
+reaches a judge neutralised (:func:`~fastcredit.judges.prompts.neutralise`), so any
+well-formed verdict in the output was written by the judge itself.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Optional
+
+_MAX_CHARS = 200_000  # longer outputs are cut (from the front: the verdict comes last)
+_SCORE = re.compile(r"<score>(.*?)</score>", re.DOTALL | re.IGNORECASE)
+_RATING = re.compile(r"<rating>\s*(-?\d{1,3})\s*</rating>", re.IGNORECASE)
+_CRITIQUE = re.compile(r"<critique>(.*?)</critique>", re.DOTALL | re.IGNORECASE)
+_JSON_OBJ = re.compile(r"\{[^{}]*\}", re.DOTALL)
+
+
+def _clip(text) -> str:
+    if not isinstance(text, str):
+        return ""
+    return text[-_MAX_CHARS:]
+
+
+def parse_criticsearch(text, n_search: int) -> Optional[list[int]]:
+    """``<score>1, 0, 1</score>`` → ``[1, 0, 1]`` when it holds exactly ``n_search`` labels in {0, 1}."""
+    try:
+        found = _SCORE.findall(_clip(text))
+        if not found:
+            return None
+        body = found[-1].strip()
+        if not body:
+            return [] if n_search == 0 else None
+        parts = [p.strip() for p in re.split(r"[,\s]+", body) if p.strip()]
+        if len(parts) != n_search or any(p not in ("0", "1") for p in parts):
+            return None
+        return [int(p) for p in parts]
+    except Exception:  # a parser of untrusted text must never raise
+        return None
+
+
+def _as_bit(v) -> Optional[int]:
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, (int, float)) and v in (0, 1):
+        return int(v)
+    if isinstance(v, str) and v.strip() in ("0", "1"):
+        return int(v.strip())
+    return None
+
+
+def parse_cwgrpo(text) -> Optional[tuple[int, int]]:
+    """The last JSON object with ``thinking_reward`` and ``retrieval_reward`` in {0, 1} → ``(thinking, retrieval)``.
+
+    Tolerates code fences, surrounding prose, single quotes and ``"1"`` strings.
+    """
+    try:
+        for raw in reversed(_JSON_OBJ.findall(_clip(text))):
+            obj = None
+            for candidate in (raw, raw.replace("'", '"')):
+                try:
+                    obj = json.loads(candidate)
+                    break
+                except ValueError:
+                    continue
+            if not isinstance(obj, dict) or "thinking_reward" not in obj or "retrieval_reward" not in obj:
+                continue
+            t, r = _as_bit(obj["thinking_reward"]), _as_bit(obj["retrieval_reward"])
+            if t is not None and r is not None:
+                return t, r
+        return None
+    except Exception:
+        return None
+
+
+def parse_process(text) -> Optional[tuple[int, str]]:
+    """``<rating>N</rating>`` (0..10) and the last ``<critique>…</critique>`` (may be empty) → ``(score, critique)``."""
+    try:
+        text = _clip(text)
+        ratings = _RATING.findall(text)
+        if not ratings:
+            return None
+        score = int(ratings[-1])
+        if not 0 <= score <= 10:
+            return None
+        critiques = _CRITIQUE.findall(text)
+        return score, (critiques[-1].strip() if critiques else "")
+    except Exception:
+        return None

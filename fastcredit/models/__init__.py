@@ -1,0 +1,1 @@
+"""Models built in code (the ``tiny`` policy for CPUs, tests and the embedded default)."""

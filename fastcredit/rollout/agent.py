@@ -1,0 +1,338 @@
+"""The search agent loop: every trajectory is a small state machine over turns.
+
+    generate until </search>, </answer> or EOS  →  classify the action  →  retrieve (search)
+    or a corrective message (invalid)  →  append <information>…</information>  →  generate …
+
+Two schedules over the same state machine (:class:`Episode`):
+
+* ``async``: one coroutine per trajectory; a trajectory continues as soon as its own
+  retrieval returns. The engine micro-batches concurrent generation requests and
+  :class:`AsyncSearch` micro-batches retrieval requests by size and time, so a trajectory
+  that finished its turn never waits for the slowest one of the batch.
+* ``lockstep``: every active trajectory generates one turn in one engine call, then all
+  of their searches go to the retriever in one call (Search-R1's ``run_llm_loop``). Kept as
+  the baseline of ``bench/bench_rollout.py``.
+
+Token ids are never re-tokenized: the action's ids are the engine's sampled ids and the
+observation's ids come from the retriever's token store (or are tokenized once, for the
+corrective message and for a text-only HTTP retriever). Text the policy writes itself — a
+fake ``<information>`` block included — stays inside the action span, so it is trained on
+and never treated as an observation. Limits (``rollout.max_turns``, ``max_action_tokens``,
+``max_obs_tokens``, ``max_response_tokens``): hitting one makes the trajectory's final turn
+``truncated``. Where Search-R1 and METHODS.md leave it open: a search action on the last
+allowed turn is ``truncated`` (the trajectory ended without an answer); an observation that
+would leave no room for another action token truncates the turn instead of being cut.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from fastcredit.rollout.engines.base import Engine, GenOutput, SamplingParams
+from fastcredit.rollout.trajectory import TrajectoryBatch, Turn, TurnKind, from_turns
+
+# Search-R1's corrective observation for an action with neither tag (llm_agent/generation.py).
+INVALID_OBSERVATION = ("\nMy previous action is invalid. If I want to search, I should put the query between "
+                       "<search> and </search>. If I want to give the final answer, I should put the answer "
+                       "between <answer> and </answer>. Let me try again.\n")
+STOP_STRINGS = ("</search>", "</answer>")
+_SEARCH_BODY = re.compile(r"<search>(.*?)</search>\s*$", re.DOTALL)
+
+# searcher(queries) -> per query (observation token ids, retrieved passage ids)
+Searcher = Callable[[list[str]], list[tuple[list[int], list[str]]]]
+
+
+@dataclass
+class AgentLimits:
+    """Budgets of one trajectory (``rollout.*``)."""
+
+    max_turns: int = 4
+    max_action_tokens: int = 500
+    max_obs_tokens: int = 500
+    max_response_tokens: int = 4096
+
+    @classmethod
+    def from_config(cls, rollout_cfg) -> "AgentLimits":
+        return cls(rollout_cfg.max_turns, rollout_cfg.max_action_tokens, rollout_cfg.max_obs_tokens,
+                   rollout_cfg.max_response_tokens)
+
+
+@dataclass
+class StepInfo:
+    """Text-level record of one turn, for judges and logs."""
+
+    kind: TurnKind
+    action_text: str
+    query: Optional[str] = None
+    obs_text: str = ""
+    retrieved_ids: list = field(default_factory=list)
+    refined_from: Optional[str] = None  # ProCeed: the rejected action's text
+    critic_score: Optional[int] = None  # ProCeed: the process critic's score of the kept step
+
+
+def classify_action(text: str, out: GenOutput) -> tuple[TurnKind, Optional[str]]:
+    """``(kind, query)`` of an action that stopped for ``out.finish_reason``.
+
+    ``answer`` when it ends with ``</answer>``; ``search`` when it ends with ``</search>``
+    around a non-empty query (the last ``<search>`` opening wins); anything else is
+    ``invalid`` (Search-R1 answers it with a corrective message and goes on).
+    """
+    stripped = text.rstrip()
+    if out.finish_reason == "stop" and stripped.endswith("</answer>"):
+        return TurnKind.ANSWER, None
+    if out.finish_reason == "stop" and stripped.endswith("</search>"):
+        body = _SEARCH_BODY.search(stripped[stripped.rfind("<search>"):]) if "<search>" in stripped else None
+        query = body.group(1).strip() if body else ""
+        if query:
+            return TurnKind.SEARCH, query
+    return TurnKind.INVALID, None
+
+
+class Episode:
+    """One trajectory's state: context, turns, budgets. Schedules call ``next_request`` /
+    ``on_action`` / ``on_observation`` until ``done``."""
+
+    def __init__(self, prompt_ids: Sequence[int], tokenizer, limits: AgentLimits, sampling: SamplingParams,
+                 invalid_ids: list[int], meta: Optional[dict] = None):
+        self.prompt_ids = list(prompt_ids)
+        self.meta = dict(meta or {})  # question, golds, proceed flag, ... (read by hooks and judges)
+        self.context = list(prompt_ids)
+        self.tokenizer, self.limits, self.sampling, self.invalid_ids = tokenizer, limits, sampling, invalid_ids
+        self.turns: list[Turn] = []
+        self.steps: list[StepInfo] = []
+        self.logprobs: list[float] = []
+        self.response_len = 0
+        self.done = False
+        self._pending: Optional[tuple] = None  # (action ids, logprobs, step) awaiting its observation
+        self._demo_next = False  # the next finished turn's action is a refined (demonstration) one
+
+    def next_request(self) -> SamplingParams:
+        """Sampling parameters of the next action (its token budget is what is left)."""
+        budget = min(self.limits.max_action_tokens, self.limits.max_response_tokens - self.response_len)
+        s = self.sampling
+        seed = self.meta.get("seed", s.seed)
+        if seed is not None:  # a trajectory's own seed, moved on every turn: reproducible, never repeated
+            seed = int(seed) + 7919 * len(self.turns)
+        return SamplingParams(max_tokens=max(budget, 1), temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                              stop=list(STOP_STRINGS), stop_token_ids=list(s.stop_token_ids), logprobs=s.logprobs,
+                              seed=seed)
+
+    def on_action(self, out: GenOutput) -> Optional[str]:
+        """Record an action; returns the query to search, ``""`` for the corrective message, or
+        None when the trajectory ended (answer, truncation)."""
+        ids = list(out.token_ids)
+        lps = list(out.logprobs) if out.logprobs is not None else [0.0] * len(ids)
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        kind, query = classify_action(text, out)
+        step = StepInfo(kind, text, query)
+        out_of_length = self.response_len + len(ids) >= self.limits.max_response_tokens
+        last_turn = len(self.turns) + 1 >= self.limits.max_turns
+        if kind != TurnKind.ANSWER and (out_of_length or last_turn):
+            kind = step.kind = TurnKind.TRUNCATED
+        if kind in (TurnKind.ANSWER, TurnKind.TRUNCATED):
+            self._finish_turn(ids, lps, step, [])
+            self.done = True
+            return None
+        self._pending = (ids, lps, step)
+        return query if kind == TurnKind.SEARCH else ""
+
+    def on_observation(self, obs_ids: Sequence[int], retrieved_ids: Sequence[str] = ()) -> None:
+        """Append the observation of the pending action (capped by ``max_obs_tokens``)."""
+        ids, lps, step = self._pending
+        self._pending = None
+        obs = list(obs_ids)[: self.limits.max_obs_tokens]
+        if self.response_len + len(ids) + len(obs) + 1 > self.limits.max_response_tokens:
+            step.kind = TurnKind.TRUNCATED  # no room left for another action token
+            self._finish_turn(ids, lps, step, [])
+            self.done = True
+            return
+        step.obs_text = self.tokenizer.decode(obs, skip_special_tokens=False)
+        step.retrieved_ids = list(retrieved_ids)
+        self._finish_turn(ids, lps, step, obs)
+
+    def replace_last_step(self, out: GenOutput, refined_from: str) -> Optional[str]:
+        """ProCeed: drop the last finished turn and take ``out`` (refined tokens, ``demo = 1``) in its place."""
+        last = self.turns.pop()
+        self.steps.pop()
+        n = len(last.action_ids) + len(last.obs_ids)
+        del self.context[len(self.context) - n:]
+        del self.logprobs[len(self.logprobs) - n:]
+        self.response_len -= n
+        self.done = False
+        self._demo_next = True
+        query = self.on_action(out)
+        step = self.steps[-1] if self.done else self._pending[2]
+        step.refined_from = refined_from
+        return query
+
+    def _finish_turn(self, ids, lps, step: StepInfo, obs: list[int]) -> None:
+        demo = [1] * len(ids) if self._demo_next else None
+        self._demo_next = False
+        self.turns.append(Turn(ids, step.kind, obs, demo=demo))
+        self.steps.append(step)
+        self.context += ids + obs
+        self.logprobs += lps + [0.0] * len(obs)
+        self.response_len += len(ids) + len(obs)
+
+    @property
+    def action_texts(self) -> list[str]:
+        return [s.action_text for s in self.steps]
+
+
+class AsyncSearch:
+    """Micro-batched retrieval for concurrent trajectories (``retrieval.batch_size`` / ``batch_timeout_ms``)."""
+
+    def __init__(self, searcher: Searcher, max_batch: int = 256, timeout_ms: float = 2.0):
+        from fastcredit.retrieval.batching import MicroBatcher
+
+        self.batcher = MicroBatcher(searcher, max_batch=max_batch, timeout_ms=timeout_ms, max_queue=1 << 20)
+        self.calls = 0
+
+    async def __call__(self, query: str) -> tuple[list[int], list[str]]:
+        self.calls += 1
+        return (await self.batcher.submit([query]))[0]
+
+
+@dataclass
+class RolloutResult:
+    """What a rollout returns: the packed batch plus what judges, rewards and logs need."""
+
+    batch: TrajectoryBatch
+    prompt_ids: list  # [B] list[int]
+    episodes: list  # [B] Episode
+    seconds: float
+    stats: dict
+
+
+def _stats(episodes: list[Episode], seconds: float, search_calls: int) -> dict:
+    kinds = [s.kind for e in episodes for s in e.steps]
+    B = max(len(episodes), 1)
+    tokens = sum(e.response_len for e in episodes)
+    return {"turns_per_traj": len(kinds) / B, "searches_per_traj": kinds.count(TurnKind.SEARCH) / B,
+            "invalid_per_traj": kinds.count(TurnKind.INVALID) / B,
+            "truncated_frac": kinds.count(TurnKind.TRUNCATED) / B,
+            "response_tokens_mean": tokens / B, "rollout_s": seconds, "trajectories_per_s": len(episodes) / max(seconds, 1e-9),
+            "retrieval_batches": search_calls}
+
+
+class AgentLoop:
+    """Rolls out trajectories with an engine and a searcher under :class:`AgentLimits`."""
+
+    def __init__(self, engine: Engine, searcher: Searcher, limits: AgentLimits, sampling: SamplingParams,
+                 mode: str = "async", retrieval_batch: int = 256, retrieval_timeout_ms: float = 2.0,
+                 step_hook=None):
+        if mode not in ("async", "lockstep"):
+            raise ValueError(f"unknown rollout.mode {mode!r}; valid: async, lockstep")
+        self.engine, self.searcher, self.limits, self.sampling, self.mode = engine, searcher, limits, sampling, mode
+        self.tokenizer = engine.tokenizer
+        self.retrieval_batch, self.retrieval_timeout_ms = retrieval_batch, retrieval_timeout_ms
+        self.step_hook = step_hook  # async (loop, episode, search) -> None after each step (ProCeed)
+        self.invalid_ids = list(self.tokenizer(INVALID_OBSERVATION, add_special_tokens=False)["input_ids"])
+
+    def _episodes(self, prompts: Sequence[Sequence[int]], metas) -> list[Episode]:
+        metas = metas if metas is not None else [None] * len(prompts)
+        return [Episode(p, self.tokenizer, self.limits, self.sampling, self.invalid_ids, m)
+                for p, m in zip(prompts, metas)]
+
+    def run(self, prompts: Sequence[Sequence[int]], group_id: Optional[Sequence[int]] = None,
+            metas: Optional[Sequence[dict]] = None) -> RolloutResult:
+        """Roll out one trajectory per prompt (repeat a prompt G times for a group).
+
+        ``metas``: per trajectory a dict kept on its :class:`Episode` (question, gold answers,
+        ``proceed`` flag) for step hooks and judges.
+        """
+        t0 = time.perf_counter()
+        if self.mode == "lockstep":
+            if self.step_hook is not None:
+                raise ValueError("step hooks (ProCeed rewinds) need rollout.mode=async")
+            episodes, calls = self._lockstep(prompts, metas)
+        else:
+            episodes, calls = asyncio.run(self._async(prompts, metas))
+        seconds = time.perf_counter() - t0
+        return self._result(episodes, group_id, seconds, calls)
+
+    async def _async(self, prompts, metas) -> tuple[list[Episode], int]:
+        search = AsyncSearch(self.searcher, self.retrieval_batch, self.retrieval_timeout_ms)
+        search.batcher.start()
+        episodes = self._episodes(prompts, metas)
+        try:
+            await asyncio.gather(*(self._drive(e, search) for e in episodes))
+        finally:
+            await search.batcher.close()
+        return episodes, search.batcher.batches
+
+    async def _drive(self, e: Episode, search: AsyncSearch) -> None:
+        while not e.done:
+            query = e.on_action(await self.engine.agenerate(e.context, e.next_request()))
+            if query is not None:
+                await self.observe(e, query, search)
+            if self.step_hook is not None:
+                await self.step_hook(self, e, search)
+
+    async def observe(self, e: Episode, query: str, search) -> None:
+        """Search ``query`` (``""``: the corrective message) and append the observation to ``e``."""
+        if query:
+            obs, ids = await search(query)
+            e.on_observation(obs, ids)
+        else:
+            e.on_observation(self.invalid_ids)
+
+    def _lockstep(self, prompts, metas) -> tuple[list[Episode], int]:
+        episodes = self._episodes(prompts, metas)
+        calls = 0
+        while True:
+            active = [e for e in episodes if not e.done]
+            if not active:
+                return episodes, calls
+            outs = self.engine.generate([e.context for e in active], [e.next_request() for e in active])
+            queries = [(e, e.on_action(o)) for e, o in zip(active, outs)]
+            searching = [(e, q) for e, q in queries if q]
+            if searching:
+                calls += 1
+                for (e, _), (obs, ids) in zip(searching, self.searcher([q for _, q in searching])):
+                    e.on_observation(obs, ids)
+            for e, q in queries:
+                if q == "":
+                    e.on_observation(self.invalid_ids)
+
+    def _result(self, episodes: list[Episode], group_id, seconds: float, calls: int) -> RolloutResult:
+        batch = from_turns([e.turns for e in episodes],
+                           group_id=list(group_id) if group_id is not None else list(range(len(episodes))))
+        batch.rollout_logp_N = torch.tensor([lp for e in episodes for lp in e.logprobs], dtype=torch.float32)
+        return RolloutResult(batch, [e.prompt_ids for e in episodes], episodes, seconds,
+                             _stats(episodes, seconds, calls))
+
+
+def retriever_searcher(retriever, k: int, max_passage_tokens: Optional[int] = None,
+                       max_obs_tokens: Optional[int] = None) -> Searcher:
+    """A :data:`Searcher` over an in-process ``Retriever``: one search and one token gather per batch."""
+
+    def search(queries: list[str]) -> list[tuple[list[int], list[str]]]:
+        rows = retriever.search_rows(queries, k)[1]
+        ids, cu = retriever.observation_tokens(None, k, max_passage_tokens, max_obs_tokens, rows=rows)
+        ids, cu, rows = ids.cpu().tolist(), cu.cpu().tolist(), rows.cpu().tolist()
+        return [(ids[cu[i]:cu[i + 1]], [retriever.corpus.id(r) for r in rows[i] if r >= 0])
+                for i in range(len(queries))]
+
+    return search
+
+
+def http_searcher(client, tokenizer, k: int) -> Searcher:
+    """A :data:`Searcher` over a Search-R1 ``/retrieve`` server (text answers, tokenized here once)."""
+    from fastcredit.retrieval.observation import format_observation
+
+    def search(queries: list[str]) -> list[tuple[list[int], list[str]]]:
+        results = client.retrieve(queries, k)
+        out = []
+        for docs in results:
+            docs = [d.get("document", d) for d in docs]
+            text = format_observation(d["contents"] for d in docs)
+            out.append((list(tokenizer(text, add_special_tokens=False)["input_ids"]), [str(d.get("id")) for d in docs]))
+        return out
+
+    return search

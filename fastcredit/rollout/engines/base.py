@@ -1,0 +1,90 @@
+"""The generation-engine interface the agent loop, the judges and the trainer use.
+
+An engine continues generation from token ids (stop strings and stop tokens included in
+the output, optional per-token log-probs), micro-batches concurrent ``agenerate`` calls,
+sleeps and wakes (vLLM sleep mode; a device move for HF), and loads new weights from an
+iterator of ``(name, tensor)`` pairs streamed one at a time.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list = field(default_factory=list)  # stop strings; the matched one is part of the output
+    stop_token_ids: list = field(default_factory=list)  # e.g. EOS; the stop token is part of the output
+    logprobs: bool = False  # the sampled tokens' log-probs under the temperature-scaled logits
+    seed: Optional[int] = None  # per-request seed: the same request gives the same tokens
+
+
+@dataclass
+class GenOutput:
+    token_ids: list
+    logprobs: Optional[list]
+    finish_reason: str  # "stop" | "length"
+    stop_reason: Optional[Union[str, int]] = None  # the stop string or stop token matched
+
+
+class Engine(abc.ABC):
+    """Batched generation over token ids; see the module docstring."""
+
+    tokenizer = None
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: Union[SamplingParams, Sequence[SamplingParams]]) -> list[GenOutput]:
+        """One batch, synchronously; ``params`` per request or shared."""
+
+    def generate_text(self, prompts: Sequence[str], max_tokens: int, temperature: float = 0.0) -> list[str]:
+        """Raw text in, generated text out (judges); EOS ends a completion."""
+        ids = [list(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        outs = self.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=temperature, stop_token_ids=eos))
+        return [self.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory this engine holds (level 1 keeps weights in host memory)."""
+
+    def wake_up(self, tags: Optional[list] = None) -> None:
+        """Take back what :meth:`sleep` freed (``tags``: ``weights``, ``kv_cache``; None: both)."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights, one tensor at a time, by HF parameter name."""
+
+    def close(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ async micro-batching
+    max_batch: int = 256
+    batch_timeout_ms: float = 5.0
+
+    async def agenerate(self, prompt: Sequence[int], params: SamplingParams) -> GenOutput:
+        """One request; concurrent requests are batched by size and a short time window."""
+        from fastcredit.retrieval.batching import MicroBatcher
+
+        loop = asyncio.get_running_loop()
+        batcher = getattr(self, "_batcher", None)
+        if batcher is None or getattr(self, "_batcher_loop", None) is not loop:
+            if getattr(self, "_executor", None) is None:  # one worker thread for the engine's lifetime
+                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+            batcher = MicroBatcher(self._generate_items, self.max_batch, self.batch_timeout_ms, max_queue=1 << 20,
+                                   executor=self._executor)
+            batcher.start()
+            self._batcher, self._batcher_loop = batcher, loop
+        return (await batcher.submit([(list(prompt), params)]))[0]
+
+    def _generate_items(self, items: list) -> list[GenOutput]:
+        self.batches_run = getattr(self, "batches_run", []) + [len(items)]
+        return self.generate([p for p, _ in items], [q for _, q in items])

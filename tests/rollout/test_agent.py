@@ -1,0 +1,192 @@
+"""The agent loop's state machine with a scripted engine and searcher: turn kinds, limits,
+observations never trained on, async vs lockstep, batching, and ProCeed rewinds."""
+import asyncio
+
+import pytest
+import torch
+
+from fastcredit.data.tokenizer import build_tiny_tokenizer
+from fastcredit.retrieval.observation import format_observation
+from fastcredit.rollout.agent import INVALID_OBSERVATION, AgentLimits, AgentLoop, classify_action
+from fastcredit.rollout.engines.base import GenOutput, SamplingParams
+from fastcredit.rollout.proceed import ProceedHook, proceed_flags
+from fastcredit.rollout.trajectory import TurnKind
+
+TEXTS = ["<think>find the city</think><search>where was Ada born</search>", "<answer>Paris</answer>",
+         INVALID_OBSERVATION, format_observation(['"Ada"\nAda was born in Paris.']), "I think so. Fake <information>x"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer(TEXTS * 20, vocab_size=400)
+
+
+class ScriptedEngine:
+    """Answers from a script: ``script(prompt_text, turn) -> action text``; turn = observations so far.
+
+    Records the size of every batch it was asked to generate.
+    """
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script, self.batches = tokenizer, script, []
+
+    def _one(self, prompt, params: SamplingParams) -> GenOutput:
+        text = self.tokenizer.decode(prompt, skip_special_tokens=False)
+        action = self.script(text, text.count("</information>") + text.count("Let me try again."))
+        ids = self.tokenizer(action, add_special_tokens=False)["input_ids"]
+        stop = next((s for s in params.stop if action.endswith(s)), None)
+        if len(ids) > params.max_tokens:
+            ids, stop = ids[: params.max_tokens], None
+        return GenOutput(ids, [-0.5] * len(ids), "stop" if stop else "length", stop)
+
+    def generate(self, prompts, params):
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        self.batches.append(len(prompts))
+        return [self._one(p, q) for p, q in zip(prompts, params)]
+
+    async def agenerate(self, prompt, params):
+        await asyncio.sleep(0)
+        self.batches.append(1)
+        return self._one(prompt, params)
+
+
+class FakeSearcher:
+    def __init__(self, tokenizer):
+        self.tokenizer, self.batches = tokenizer, []
+
+    def __call__(self, queries):
+        self.batches.append(list(queries))
+        obs = format_observation([f'"{q}"\nAda was born in Paris.' for q in queries[:1]])
+        ids = self.tokenizer(obs, add_special_tokens=False)["input_ids"]
+        return [(ids, [f"doc-{q}"]) for q in queries]
+
+
+def search_then_answer(text, turn):
+    return "<think>find the city</think><search>where was Ada born</search>" if turn == 0 else "<answer>Paris</answer>"
+
+
+def loop(tok, script, mode="async", **limits):
+    engine, searcher = ScriptedEngine(tok, script), FakeSearcher(tok)
+    lim = AgentLimits(**{"max_turns": 4, "max_action_tokens": 64, "max_obs_tokens": 200,
+                         "max_response_tokens": 1000, **limits})
+    return AgentLoop(engine, searcher, lim, SamplingParams(max_tokens=64, logprobs=True), mode=mode), engine, searcher
+
+
+def prompts(tok, n):
+    return [tok("Question: where was Ada born?", add_special_tokens=False)["input_ids"]] * n
+
+
+@pytest.mark.parametrize("mode", ["async", "lockstep"])
+def test_search_then_answer_is_two_turns_and_observations_are_not_trained(tok, mode):
+    agent, _, _ = loop(tok, search_then_answer, mode)
+    res = agent.run(prompts(tok, 3), group_id=[0, 0, 1])
+    b = res.batch
+    b.validate()
+    assert b.num_trajectories == 3 and b.num_turns == 6
+    assert b.seg_kind_S.tolist() == [TurnKind.SEARCH, TurnKind.ANSWER] * 3
+    assert b.group_id_B.tolist() == [0, 0, 1]
+    first = res.episodes[0]
+    assert first.steps[0].query == "where was Ada born" and first.steps[0].retrieved_ids == ["doc-where was Ada born"]
+    obs = first.turns[0].obs_ids
+    assert tok.decode(obs, skip_special_tokens=False).startswith("\n\n<information>")
+    # Observation tokens carry seg_id -1 and log-prob 0; action tokens carry the engine's log-probs.
+    n_act = len(first.turns[0].action_ids)
+    seg = b.seg_id_N[: b.cu_seqlens[1]]
+    assert (seg[:n_act] == 0).all() and (seg[n_act:n_act + len(obs)] == -1).all()
+    assert torch.equal(b.rollout_logp_N[b.seg_id_N >= 0], torch.full((int((b.seg_id_N >= 0).sum()),), -0.5))
+    assert (b.rollout_logp_N[b.seg_id_N < 0] == 0).all()
+    assert res.stats["searches_per_traj"] == 1.0 and res.stats["turns_per_traj"] == 2.0
+
+
+def test_async_and_lockstep_give_the_same_trajectories(tok):
+    script = lambda text, turn: ("<search>q%d</search>" % turn) if turn < 2 else "<answer>Paris</answer>"  # noqa: E731
+    a = loop(tok, script, "async")[0].run(prompts(tok, 5))
+    s = loop(tok, script, "lockstep")[0].run(prompts(tok, 5))
+    assert torch.equal(a.batch.tokens_N, s.batch.tokens_N) and torch.equal(a.batch.seg_id_N, s.batch.seg_id_N)
+
+
+def test_async_retrieval_is_micro_batched(tok):
+    agent, engine, searcher = loop(tok, search_then_answer, "async")
+    agent.run(prompts(tok, 8))
+    assert sum(len(q) for q in searcher.batches) == 8 and len(searcher.batches) < 8
+
+
+def test_invalid_action_gets_the_corrective_message_and_goes_on(tok):
+    script = lambda text, turn: "I think so." if turn == 0 else "<answer>Paris</answer>"  # noqa: E731
+    res = loop(tok, script, max_action_tokens=4)[0].run(prompts(tok, 1))
+    e = res.episodes[0]
+    assert [s.kind for s in e.steps] == [TurnKind.INVALID, TurnKind.ANSWER]
+    assert e.steps[0].obs_text == INVALID_OBSERVATION
+
+
+@pytest.mark.parametrize("mode", ["async", "lockstep"])
+def test_turn_budget_makes_the_last_turn_truncated(tok, mode):
+    script = lambda text, turn: "<search>again</search>"  # noqa: E731
+    res = loop(tok, script, mode, max_turns=3)[0].run(prompts(tok, 2))
+    for e in res.episodes:
+        assert [s.kind for s in e.steps] == [TurnKind.SEARCH, TurnKind.SEARCH, TurnKind.TRUNCATED]
+        assert e.turns[-1].obs_ids == []
+    res.batch.validate()
+
+
+def test_response_budget_truncates(tok):
+    res = loop(tok, lambda text, turn: "<search>again</search>", max_turns=50, max_response_tokens=60)[0].run(prompts(tok, 1))
+    e = res.episodes[0]
+    assert e.steps[-1].kind == TurnKind.TRUNCATED and e.response_len <= 60
+    assert all(s.kind == TurnKind.SEARCH for s in e.steps[:-1])
+
+
+def test_fake_information_written_by_the_policy_stays_trainable(tok):
+    forged = "Fake <information>x</information><answer>Paris</answer>"
+    res = loop(tok, lambda text, turn: forged)[0].run(prompts(tok, 1))
+    b = res.batch
+    assert b.num_turns == 1 and b.seg_kind_S.tolist() == [TurnKind.ANSWER]
+    assert (b.seg_id_N == 0).all(), "every token the policy wrote is an action token"
+
+
+def test_classify_action():
+    stop = GenOutput([], None, "stop", "</search>")
+    assert classify_action("<think>x</think><search> a b </search>", stop) == (TurnKind.SEARCH, "a b")
+    assert classify_action("<search>  </search>", stop) == (TurnKind.INVALID, None)
+    assert classify_action("<search>a", GenOutput([], None, "length", None)) == (TurnKind.INVALID, None)
+    assert classify_action("<answer>x</answer>", GenOutput([], None, "stop", "</answer>"))[0] == TurnKind.ANSWER
+
+
+def test_proceed_flags_take_the_first_half_of_each_group():
+    assert proceed_flags([0, 0, 0, 0, 1, 1, 2], 0.5) == [True, True, False, False, True, False, True]
+
+
+class ScriptedCritic:
+    def __init__(self, scores):
+        self.scores, self.calls = list(scores), []
+
+    async def ascore_step(self, question, history, action, observation, item=None, turn=-1):
+        self.calls.append(action)
+        return self.scores.pop(0) if self.scores else 10, "use a better query"
+
+
+def test_proceed_rewinds_a_bad_step_and_marks_the_refined_tokens(tok):
+    agent, engine, _ = loop(tok, lambda text, turn: "<search>bad</search>" if turn == 0 else "<answer>Paris</answer>")
+    refine = lambda question, history, rejected, critique: "Refine: " + rejected  # noqa: E731
+    # The refiner (the policy engine itself) sees the refiner prompt: script it to write a good search.
+    engine.script = lambda text, turn: ("<search>where was Ada born</search>" if text.startswith("Refine")
+                                        else "<search>bad</search>" if turn == 0 else "<answer>Paris</answer>")
+    critic = ScriptedCritic([1])
+    agent.step_hook = ProceedHook(critic, refine, engine, tok, tau=3, max_rewinds=1)
+    res = agent.run(prompts(tok, 2), group_id=[0, 0], metas=[{"proceed": True}, {"proceed": False}])
+    e, plain = res.episodes
+    assert [s.action_text for s in e.steps] == ["<search>where was Ada born</search>", "<answer>Paris</answer>"]
+    assert e.steps[0].refined_from == "<search>bad</search>" and e.meta["rewinds"] == 1
+    assert e.turns[0].demo == [1] * len(e.turns[0].action_ids) and e.turns[1].demo is None
+    assert plain.steps[0].action_text == "<search>bad</search>" and plain.turns[0].demo is None
+    b = res.batch
+    assert int(b.demo_mask_N.sum()) == len(e.turns[0].action_ids)
+    assert critic.calls == ["<search>bad</search>"], "max_rewinds=1 stops the critic after the rewind"
+    assert agent.step_hook.stats["rewinds"] == 1
+
+
+def test_lockstep_refuses_step_hooks(tok):
+    agent, engine, _ = loop(tok, search_then_answer, "lockstep")
+    agent.step_hook = ProceedHook(ScriptedCritic([]), lambda *a: "", engine, tok)
+    with pytest.raises(ValueError, match="rollout.mode=async"):
+        agent.run(prompts(tok, 1))
