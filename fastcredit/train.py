@@ -1,0 +1,506 @@
+"""Train a search agent with turn-level credit assignment.
+
+    python -m fastcredit.train                                  # embedded default: configs/demo.yaml on a CPU
+    python -m fastcredit.train --config configs/criticsearch.yaml optim.total_steps=800
+    torchrun --nproc_per_node=8 -m fastcredit.train --config configs/cwgrpo.yaml
+    python -m fastcredit.train --config configs/debug.yaml --resume      # continue from the last checkpoint
+    nsys profile --capture-range=cudaProfilerApi python -m fastcredit.train --profile ...
+
+Legend (shape suffixes): B trajectories, S turns, N packed response tokens.
+
+One step (DESIGN.md "One training step"), each phase timed and inside an NVTX range:
+rollout (async agent loop; ProCeed rewinds) → outcome rewards → judges (critic / judge /
+PRM) → dynamic sampling (DAPO) → old, reference log-probs and values → estimator by name
+→ PPO epochs over mini- and micro-batches (loss through the kernel dispatch) → weight sync
+into the rollout engine at the next rollout → metrics, checkpoint, collapse guard.
+Each rank rolls out its own share of the prompts; the update's denominators are global.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+from fastcredit import components as C
+from fastcredit.config import ConfigError, TrainConfig, load_config, parse_cli, save_config, to_dict
+from fastcredit.distributed.fsdp import DistInfo, all_reduce_sum, init_distributed, shutdown, stream_full_state, wrap_fsdp2
+from fastcredit.profiling import PhaseTimer, profiler_start, profiler_stop
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
+
+
+class CollapseError(RuntimeError):
+    """The collapse guard tripped and the configured action is to stop."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class PromptSampler:
+    """Epoch-wise shuffled prompts, the same order on every rank; each rank takes its slice of a step's prompts."""
+
+    def __init__(self, n: int, seed: int, epoch: int = 0, cursor: int = 0):
+        self.n, self.seed, self.epoch, self.cursor = n, seed, epoch, cursor
+        self._order = self._perm()
+
+    def _perm(self) -> list[int]:
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.cursor >= self.n:
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._order = self._perm()
+            out.append(self._order[self.cursor])
+            self.cursor += 1
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+
+class Trainer:
+    """Owns the models, engine, retriever, judges and optimizer state of one run."""
+
+    def __init__(self, cfg: TrainConfig, info: DistInfo, resume: bool = False, profile: bool = False):
+        from fastcredit.tracking import MetricLogger
+
+        self.cfg, self.info, self.profile = cfg, info, profile
+        self.out_dir = cfg.logging.output_dir
+        self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
+        if info.is_main:
+            os.makedirs(self.out_dir, exist_ok=True)
+            save_config(cfg, os.path.join(self.out_dir, "config.yaml"))
+        seed_everything(cfg.seed)
+        self.timer = PhaseTimer()
+        self.logger = MetricLogger(self.out_dir, cfg.logging.jsonl, cfg.logging.tensorboard, cfg.logging.wandb,
+                                   cfg.run_name, to_dict(cfg), enabled=info.is_main)
+        self._say(f"fastcredit.train: {cfg.run_name} · estimator {cfg.credit.estimator} · {info.world_size} process(es) "
+                  f"on {info.device.type} → {self.out_dir}")
+        self.data = C.load_data(cfg, info.rank)
+        self.tokenizer = C.load_tokenizer(cfg, self.data, self.out_dir, info.rank)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.searcher, self.retriever = C.make_searcher(cfg, self.tokenizer, self.data.corpus,
+                                                        progress=cfg.logging.progress and info.is_main)
+        self._build_models()
+        self._build_rollout()
+        self.step, self.opt_steps, self.rollbacks = 0, 0, 0
+        self.sampler = PromptSampler(len(self.data.train), cfg.seed)
+        if resume:
+            self._resume()
+
+    # ------------------------------------------------------------------ setup
+    def _say(self, text: str) -> None:
+        if self.info.is_main:
+            print(text, flush=True)
+
+    def _build_models(self) -> None:
+        from fastcredit.actor import PolicyModel, ValueModel
+        from fastcredit.credit.registry import VALUE_MODEL_ESTIMATORS
+
+        cfg, dev = self.cfg, self.info.device
+        lm = C.load_policy(cfg, self.tokenizer, dev)
+        if cfg.warmstart.enabled:
+            self._warm_start(lm)
+        self.engine_lm = C.frozen_copy(lm)  # the rollout engine's own weights, synced after each update
+        self.ref = PolicyModel(C.frozen_copy(lm)) if cfg.loss.kl_coef or cfg.credit.kl_in_reward else None
+        d = cfg.distributed
+        self.policy = wrap_fsdp2(PolicyModel(lm), self.info, d.mixed_precision, d.cpu_offload,
+                                 d.activation_checkpointing)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                           weight_decay=cfg.optim.weight_decay)
+        self.value = self.value_optimizer = None
+        if cfg.credit.estimator in VALUE_MODEL_ESTIMATORS:
+            self.value = wrap_fsdp2(ValueModel(C.frozen_copy(lm).requires_grad_(True).train()), self.info,
+                                    d.mixed_precision, d.cpu_offload, d.activation_checkpointing)
+            self.value_optimizer = torch.optim.AdamW(self.value.parameters(), lr=cfg.optim.critic_lr,
+                                                     weight_decay=cfg.optim.weight_decay)
+
+    def _warm_start(self, lm) -> None:
+        """SFT on oracle trajectories; observations come from the run's own searcher, as in rollouts."""
+        from fastcredit.sft import sft_sequences, sft_train
+
+        w = self.cfg.warmstart
+        examples = [ex for ex in self.data.train if ex.metadata.get("hops")]
+        examples = examples[: w.questions] if w.questions else examples
+        queries = sorted({h["query"] for ex in examples for h in ex.metadata["hops"]})
+        t0 = time.time()
+        obs = dict(zip(queries, (o for o, _ in self.searcher(queries))))
+        seqs = sft_sequences(examples, C.prompt_ids(self.cfg, self.tokenizer, examples), self.tokenizer,
+                             obs.__getitem__, seed=self.cfg.seed)
+        losses = sft_train(lm, seqs, self.pad_id, w.epochs, w.lr, w.batch_size, self.cfg.seed, str(self.info.device),
+                           progress=self.cfg.logging.progress and self.info.is_main)
+        self._say(f"warm start: {len(seqs)} oracle trajectories x {w.epochs} epochs in {time.time() - t0:.0f} s, "
+                  f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        lm.requires_grad_(True).train()
+
+    def _build_rollout(self) -> None:
+        from fastcredit.distributed.colocate import PhaseManager
+        from fastcredit.rollout.engines import make_engine
+
+        cfg = self.cfg
+        self.engine = make_engine(cfg.rollout.engine, self.engine_lm, self.tokenizer, cfg.rollout,
+                                  device=self.info.device)
+        self.judges = _build_judges(cfg, self)
+        self.phases = PhaseManager(self.engine, getattr(self.judges, "engine", None),
+                                   [(self.policy, self.optimizer)] + ([(self.value, self.value_optimizer)]
+                                                                      if self.value is not None else []),
+                                   self.info.device, cfg.rollout.sleep_level, cfg.judges.sleep_level,
+                                   cfg.distributed.colocate, sync_fn=self._sync_weights, log=self._log_memory)
+
+    def _sync_weights(self, policy) -> None:
+        self.engine.update_weights(stream_full_state(policy.lm))
+
+    def _log_memory(self, boundary: str, mem: dict) -> None:
+        if mem and self.info.is_main:
+            self.memory = {f"memory/{boundary}/{k}": v for k, v in mem.items()}
+
+    # ------------------------------------------------------------------ rollout and scoring
+    def _max_over_ranks(self, n: int) -> int:
+        if not self.info.distributed:
+            return n
+        import torch.distributed as dist
+
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t)
+
+    def _reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(t, self.info)
+
+    def _sampling(self, greedy: bool = False):
+        from fastcredit.rollout.engines.base import SamplingParams
+
+        r = self.cfg.rollout
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        return SamplingParams(max_tokens=r.max_action_tokens, temperature=0.0 if greedy else r.temperature,
+                              top_p=1.0 if greedy else r.top_p, top_k=-1 if greedy else r.top_k,
+                              stop_token_ids=eos, logprobs=False, seed=None)
+
+    def _agent(self, greedy: bool = False, hook=None):
+        from fastcredit.rollout.agent import AgentLimits, AgentLoop
+
+        r = self.cfg.retrieval
+        return AgentLoop(self.engine, self.searcher, AgentLimits.from_config(self.cfg.rollout), self._sampling(greedy),
+                         mode=self.cfg.rollout.mode, retrieval_batch=r.batch_size, retrieval_timeout_ms=r.batch_timeout_ms,
+                         step_hook=hook)
+
+    def rollout(self, idx: list[int], examples_from: list, greedy: bool = False, group_size: int = 1, hook=None,
+                seed_base: int = 0, group_base: int = 0):
+        """Roll out ``group_size`` trajectories for each of ``examples_from[idx]``; returns (result, examples).
+
+        Group ids are ``group_base + prompt index``: a refill round passes its own base, so a
+        prompt drawn again in the same step forms a separate group.
+        """
+        examples = [examples_from[i] for i in idx for _ in range(group_size)]
+        prompts = C.prompt_ids(self.cfg, self.tokenizer, examples)
+        groups = [group_base + i for i in idx for _ in range(group_size)]
+        flags = _proceed_flags(groups, self.cfg) if hook is not None else [False] * len(groups)
+        metas = [{"question": ex.question, "golds": ex.golden_answers, "example": ex, "proceed": f,
+                  "seed": None if greedy else seed_base + j} for j, (ex, f) in enumerate(zip(examples, flags))]
+        with self.phases.rollout(weights=self.policy):
+            result = self._agent(greedy, hook).run(prompts, group_id=groups, metas=metas)
+        return result, examples
+
+    def score(self, result, examples) -> tuple[torch.Tensor, dict]:
+        """Outcome rewards (``credit.reward``) on the batch; ``(reward_B, metrics)``."""
+        from fastcredit.rewards import score_trajectory
+        from fastcredit.rollout.trajectory import replace
+
+        c = self.cfg.credit
+        outs = [score_trajectory(e.action_texts, ex.golden_answers, kind=c.reward, lambda_f=c.lambda_f,
+                                 format_bonus=c.format_bonus) for e, ex in zip(result.episodes, examples)]
+        result.batch = replace(result.batch, em_B=torch.tensor([o.em for o in outs], dtype=torch.float32),
+                               f1_B=torch.tensor([o.f1 for o in outs], dtype=torch.float32),
+                               format_ok_B=torch.tensor([o.format_ok for o in outs]),
+                               predictions=[o.prediction for o in outs])
+        reward = torch.tensor([o.reward for o in outs], dtype=torch.float32)
+        return reward, {"reward": float(reward.mean()), "em": float(result.batch.em_B.mean()),
+                        "f1": float(result.batch.f1_B.mean()),
+                        "format_ok": float(result.batch.format_ok_B.float().mean())}
+
+    # ------------------------------------------------------------------ one step
+    def _step_batch(self):
+        """Rollout + rewards (+ DAPO dynamic sampling): ``(result, examples, reward_B, metrics)``."""
+        from fastcredit.credit.dapo import dynamic_sampling_step, take_groups
+        from fastcredit.rollout.agent import RolloutResult
+        from fastcredit.rollout.trajectory import concat, select
+
+        cfg, info = self.cfg, self.info
+        per_rank = cfg.optim.batch_prompts // info.world_size
+        G = cfg.rollout.n_samples
+        ds = cfg.credit.dynamic_sampling
+        parts, kept, seen, metrics = [], 0, 0, {}
+        want, rounds = per_rank, 0
+        while True:
+            idx_all = self.sampler.take(want * info.world_size)  # the same draw on every rank
+            idx = idx_all[info.rank * want:(info.rank + 1) * want]
+            seed = cfg.seed * 1_000_003 + self.step * 10_007 + rounds * 101 + info.rank * 7_000_001
+            with self.timer.phase("rollout"):
+                result, examples = self.rollout(idx, self.data.train, group_size=G, hook=self.proceed_hook,
+                                                seed_base=seed, group_base=rounds * len(self.data.train))
+            with self.timer.phase("reward"):
+                reward, m = self.score(result, examples)
+            for k, v in {**m, **result.stats}.items():
+                metrics[k] = metrics.get(k, 0.0) + v  # averaged below over the rounds
+            decision = dynamic_sampling_step(reward, result.batch.group_id_B, ds, target_groups=per_rank,
+                                             kept_before=kept, seen_before=seen, refill_round=rounds)
+            parts.append((result, examples, reward, decision.keep_B))
+            kept, seen, rounds = kept + decision.kept_groups, seen + decision.kept_groups + decision.dropped_groups, rounds + 1
+            metrics.update({f"dapo/{k}": v for k, v in decision.metrics.items()} if ds.enabled else {})
+            # Every rank refills the same number of prompts, so the shared prompt order stays in step.
+            want = self._max_over_ranks(0 if decision.done else decision.refill_prompts)
+            if want == 0:
+                break
+        metrics = {k: (v / rounds if k in m or k in result.stats else v) for k, v in metrics.items()}
+        if len(parts) == 1 and not ds.enabled:
+            return result, examples, reward, metrics
+        batch = concat([p[0].batch for p in parts])
+        keep = take_groups(torch.cat([p[3] for p in parts]), batch.group_id_B, per_rank)
+        if not bool(keep.any()):  # nothing to learn from: train on the last round as is (all advantages 0)
+            keep = torch.ones_like(keep)
+        index = torch.nonzero(keep).flatten()
+        episodes = [e for p in parts for e in p[0].episodes]
+        ex_all = [ex for p in parts for ex in p[1]]
+        merged = RolloutResult(select(batch, index), [episodes[i].prompt_ids for i in index],
+                               [episodes[i] for i in index], sum(p[0].seconds for p in parts), result.stats)
+        return merged, [ex_all[i] for i in index], torch.cat([p[2] for p in parts])[index], metrics
+
+    def train_step(self) -> dict:
+        """One full step; returns its metrics (rank-averaged)."""
+        from fastcredit.actor import UpdateData, forward_logprobs, forward_values, ppo_update
+        from fastcredit.credit import CreditInputs, compute_advantages
+
+        cfg, info = self.cfg, self.info
+        t0 = time.perf_counter()
+        result, examples, reward, metrics = self._step_batch()
+        batch, prompts = result.batch, result.prompt_ids
+        with self.timer.phase("judge"), self.phases.judge():
+            extras, jm = self.judges.score(result, examples, reward) if self.judges is not None else ({}, {})
+        metrics.update(jm)
+        mt = cfg.optim.micro_batch_tokens
+        with self.timer.phase("logprobs"), self.phases.train():
+            old, ent = forward_logprobs(self.policy, prompts, batch, self.pad_id, info.device, mt,
+                                        cfg.rollout.temperature, self._max_over_ranks)
+            ref = forward_logprobs(self.ref, prompts, batch, self.pad_id, info.device, mt, cfg.rollout.temperature,
+                                   self._max_over_ranks)[0] if self.ref is not None else None
+            values = forward_values(self.value, prompts, batch, self.pad_id, info.device, mt,
+                                    self._max_over_ranks) if self.value is not None else None
+        with self.timer.phase("advantage"):
+            inputs = CreditInputs.from_batch(batch, reward, values_N=values, old_logp_N=old, ref_logp_N=ref, **extras)
+            credit = compute_advantages(cfg.credit.estimator, inputs, cfg.credit)
+        metrics.update({f"credit/{k}": v for k, v in credit.metrics.items()})
+        with self.timer.phase("update"), self.phases.train():
+            per_mini = max(cfg.optim.mini_batch_prompts // info.world_size, 1)
+            um = ppo_update(self.policy, self.optimizer, UpdateData(prompts, batch, credit, old, ref, values),
+                            cfg.loss, cfg.optim, info.device, self.pad_id, temperature=cfg.rollout.temperature,
+                            dp_size=info.world_size, reduce=self._reduce, max_over_ranks=self._max_over_ranks,
+                            value=self.value, value_optimizer=self.value_optimizer, groups_per_mini=per_mini,
+                            on_step=self._set_lr)
+        self.phases.mark_updated()
+        metrics.update(um)
+        tokens = float(batch.num_tokens + sum(len(p) for p in prompts))
+        metrics = self._average(metrics)
+        seconds = self.timer.reset()
+        metrics.update({f"time/{k}": v for k, v in seconds.items()})
+        metrics["time/step"] = time.perf_counter() - t0
+        metrics["tokens_per_s"] = float(self._reduce(torch.tensor([tokens], dtype=torch.float64))) / metrics["time/step"]
+        metrics.update(getattr(self, "memory", {}))
+        return metrics
+
+    def _average(self, metrics: dict) -> dict:
+        """Rank means of every metric (the actor's summed ones are already global)."""
+        if not self.info.distributed:
+            return metrics
+        keys = sorted(k for k in metrics if not k.startswith("actor/") and not k.startswith("critic/"))
+        t = self._reduce(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)) / self.info.world_size
+        return {**metrics, **dict(zip(keys, t.tolist()))}
+
+    def _set_lr(self) -> None:
+        o = self.cfg.optim
+        factor = C.lr_factor(self.opt_steps, self._total_opt_steps(), o.warmup_ratio, o.schedule)
+        for g in self.optimizer.param_groups:
+            g["lr"] = o.lr * factor
+        if self.value_optimizer is not None:
+            for g in self.value_optimizer.param_groups:
+                g["lr"] = o.critic_lr * factor
+        self.opt_steps += 1
+
+    def _total_opt_steps(self) -> int:
+        o = self.cfg.optim
+        return o.total_steps * o.ppo_epochs * max(o.batch_prompts // o.mini_batch_prompts, 1)
+
+    # ------------------------------------------------------------------ evaluation, checkpoints, guard
+    def evaluate(self) -> Optional[float]:
+        """Held-out EM of greedy rollouts over ``eval.questions`` test questions (split over ranks)."""
+        n = min(self.cfg.eval.questions, len(self.data.test))
+        if n == 0:
+            return None
+        idx = list(range(self.info.rank, n, self.info.world_size))
+        with self.timer.phase("eval"):
+            result, examples = self.rollout(idx, self.data.test, greedy=True)
+            self.score(result, examples)
+        em = self._reduce(torch.tensor([float(result.batch.em_B.sum()), float(len(idx))], dtype=torch.float64))
+        self.timer.reset()
+        return float(em[0] / max(float(em[1]), 1.0))
+
+    def save(self) -> None:
+        from fastcredit.checkpoint import save_checkpoint
+
+        models, optims = {"policy": self.policy}, {"policy": self.optimizer}
+        if self.value is not None:
+            models["value"], optims["value"] = self.value, self.value_optimizer
+        with self.timer.phase("checkpoint"):
+            save_checkpoint(self.ckpt_dir, self.step, models, optims,
+                            {"data": self.sampler.state(), "opt_steps": self.opt_steps, "rollbacks": self.rollbacks},
+                            keep=self.cfg.logging.keep_checkpoints)
+
+    def _resume(self, path: Optional[str] = None) -> bool:
+        from fastcredit.checkpoint import latest_checkpoint, load_checkpoint
+
+        path = path or latest_checkpoint(self.ckpt_dir)
+        if path is None:
+            self._say(f"--resume: no checkpoint in {self.ckpt_dir}; starting from step 0")
+            return False
+        models, optims = {"policy": self.policy}, {"policy": self.optimizer}
+        if self.value is not None:
+            models["value"], optims["value"] = self.value, self.value_optimizer
+        state = load_checkpoint(path, models, optims)
+        self.step, self.opt_steps = state["step"], state["opt_steps"]
+        self.rollbacks = state.get("rollbacks", 0)
+        self.sampler = PromptSampler(len(self.data.train), self.cfg.seed, **state["data"])
+        self.phases.mark_updated()  # the engine still holds the pre-checkpoint weights
+        self.logger.truncate_after(self.step)
+        self._say(f"resumed from {path} (step {self.step})")
+        return True
+
+    def _guard(self, m: dict) -> Optional[str]:
+        """The collapse guard: a reason when a bound is crossed, else None."""
+        g = self.cfg.guard
+        if self.step < g.after_step:
+            return None
+        checks = [("actor/kl_ref", g.max_kl, 1), ("actor/grad_norm", g.max_grad_norm, 1), ("reward", g.min_reward, -1)]
+        for key, bound, sign in checks:
+            v = m.get(key)
+            if v is not None and (not math.isfinite(v) or sign * (v - bound) > 0):
+                return f"{key} = {v:.4g} crossed the bound {bound:g}"
+        return None
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        summary = {"em_before": self.evaluate()} if self.step == 0 else {}
+        if summary.get("em_before") is not None:
+            self._say(f"held-out EM before training: {summary['em_before']:.3f}")
+            self.logger.log(0, {"eval/em": summary["em_before"]}, console=False)
+        bar = tqdm(total=cfg.optim.total_steps, initial=self.step, desc="train", disable=not (
+            cfg.logging.progress and self.info.is_main), leave=False)
+        while self.step < cfg.optim.total_steps:
+            if self.profile and self.step == self.profile_start:
+                profiler_start()
+            m = self.train_step()
+            self.step += 1
+            if self.profile and self.step == self.profile_start + 3:
+                profiler_stop()
+            reason = self._guard(m)
+            if reason is not None:
+                self._handle_collapse(reason)
+                continue
+            if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.optim.total_steps:
+                m["eval/em"] = self.evaluate()
+            bar.update(1)
+            bar.set_postfix(reward=f"{m.get('reward', 0):.3f}", em=f"{m.get('em', 0):.3f}")
+            self.logger.log(self.step, m, console=self.step % cfg.logging.log_every == 0)
+            every = cfg.logging.checkpoint_every
+            if (every and self.step % every == 0) or self.step == cfg.optim.total_steps:
+                self.save()
+        bar.close()
+        summary["em_after"] = self.evaluate()
+        if summary["em_after"] is not None:
+            self.logger.log(self.step, {"eval/em": summary["em_after"]}, console=False)
+        return summary
+
+    def _handle_collapse(self, reason: str) -> None:
+        from fastcredit.checkpoint import latest_checkpoint
+
+        g = self.cfg.guard
+        path = latest_checkpoint(self.ckpt_dir) if os.path.isdir(self.ckpt_dir) else None
+        if g.action == "stop" or path is None or self.rollbacks >= g.max_rollbacks:
+            raise CollapseError(f"collapse guard at step {self.step}: {reason}; stopping "
+                                f"({'no checkpoint to roll back to' if path is None else g.action})")
+        rollbacks = self.rollbacks + 1
+        self._say(f"collapse guard at step {self.step}: {reason}; rolling back to {path} ({rollbacks}/{g.max_rollbacks})")
+        self._resume(path)
+        self.rollbacks = rollbacks
+        # A different sampling seed after the rollback, or the same collapse would repeat.
+        self.sampler.seed += 7_777 * rollbacks
+
+
+def _proceed_flags(groups: list, cfg: TrainConfig) -> list:
+    from fastcredit.rollout.proceed import proceed_flags
+
+    return proceed_flags(groups, cfg.rollout.proceed.fraction)
+
+
+def _build_judges(cfg: TrainConfig, trainer: Trainer):
+    """The step's judge runner (critic / CW-GRPO judge / PRM), or None for grpo and ppo."""
+    from fastcredit.scoring import build_scoring
+
+    return build_scoring(cfg, trainer)
+
+
+def main(argv: Optional[list] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    resume, profile = "--resume" in argv, "--profile" in argv
+    argv = [a for a in argv if a not in ("--resume", "--profile")]
+    try:
+        path, overrides = parse_cli(argv)
+        path = path or DEFAULT_CONFIG
+        cfg = load_config(path, overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    info = init_distributed(cfg.distributed.backend, cfg.distributed.shard_size)
+    trainer = Trainer(cfg, info, resume=resume, profile=profile)
+    trainer.profile_start = min(2, max(cfg.optim.total_steps - 1, 0))
+    try:
+        summary = trainer.fit()
+    except CollapseError as exc:
+        trainer._say(f"error: {exc}")
+        shutdown(info, 3)
+        return 3
+    finally:
+        trainer.logger.close()
+    if info.is_main:
+        _report(trainer, summary)
+    shutdown(info)
+    return 0
+
+
+def _report(trainer: Trainer, summary: dict) -> None:
+    from fastcredit.tracking import plot_metrics
+
+    before, after = summary.get("em_before"), summary.get("em_after")
+    if after is not None:
+        print(f"held-out EM: {'n/a' if before is None else f'{before:.3f}'} before -> {after:.3f} after "
+              f"{trainer.step} steps")
+    if trainer.logger.path and os.path.exists(trainer.logger.path):
+        png = plot_metrics(trainer.logger.path, os.path.join(trainer.out_dir, "curves.png"),
+                           keys=("reward", "em", "eval/em"), title=trainer.cfg.run_name)
+        print(f"metrics: {trainer.logger.path}\ncurves:  {png}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

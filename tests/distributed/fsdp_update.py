@@ -1,0 +1,82 @@
+"""One PPO update of a tiny policy, on one process or under torchrun with FSDP2 (gloo on a CPU).
+
+    python tests/distributed/fsdp_update.py OUT.pt                          # the whole batch, one process
+    torchrun --standalone --nproc_per_node=2 tests/distributed/fsdp_update.py OUT.pt   # each rank its half
+
+Writes the updated parameters (full tensors, rank 0) and the update's metrics to OUT.pt.
+The batch is 8 trajectories in 4 groups of 2, ranks take whole groups; the loss uses the
+global counts, so both runs must produce the same parameters.
+"""
+import os
+import sys
+
+import torch
+
+from fastcredit.actor import PolicyModel, UpdateData, forward_logprobs, ppo_update
+from fastcredit.config import OptimConfig
+from fastcredit.credit import CreditInputs, compute_advantages
+from fastcredit.credit.config import CreditConfig, LossConfig
+from fastcredit.distributed.fsdp import all_reduce_sum, init_distributed, shutdown, stream_full_state, wrap_fsdp2
+from fastcredit.rollout.trajectory import Turn, from_turns, select
+
+
+def tiny_lm():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(cfg)
+
+
+def whole_batch():
+    g = torch.Generator().manual_seed(1)
+    trajs, prompts = [], []
+    for b in range(8):
+        turns = []
+        for t in range(int(torch.randint(1, 4, (1,), generator=g))):
+            act = torch.randint(3, 64, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+            obs = torch.randint(3, 64, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist()
+            turns.append(Turn(act, "search", obs))
+        turns.append(Turn(torch.randint(3, 64, (3,), generator=g).tolist(), "answer"))
+        trajs.append(turns)
+        prompts.append(torch.randint(3, 64, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist())
+    batch = from_turns(trajs, group_id=[b // 2 for b in range(8)])
+    reward = torch.tensor([1.0, 0.0, 0.2, 1.0, 0.0, 0.0, 1.0, 0.8])
+    return batch, prompts, reward
+
+
+def main(out: str) -> None:
+    info = init_distributed("gloo")
+    lm = tiny_lm()
+    batch, prompts, reward = whole_batch()
+    if info.distributed:  # rank r takes groups 2r, 2r+1 (trajectories 4r..4r+3)
+        idx = torch.arange(4 * info.rank, 4 * info.rank + 4)
+        batch, prompts, reward = select(batch, idx), [prompts[i] for i in idx], reward[idx]
+    policy = wrap_fsdp2(PolicyModel(lm), info, mixed_precision=False)
+    # SGD with lr 1: the parameter change is the gradient itself, compared to 1e-6.
+    opt = torch.optim.SGD(policy.parameters(), lr=1.0)
+    cfg_loss = LossConfig(agg_mode=os.environ.get("AGG", "turn-mean"), kl_coef=0.0)
+    max_over = (lambda n: n) if not info.distributed else _max_over
+    old, _ = forward_logprobs(policy, prompts, batch, 0, "cpu", 24, max_over_ranks=max_over)
+    credit = compute_advantages("grpo", CreditInputs.from_batch(batch, reward), CreditConfig())
+    m = ppo_update(policy, opt, UpdateData(prompts, batch, credit, old), cfg_loss,
+                   OptimConfig(micro_batch_tokens=24, ppo_epochs=1, grad_clip=100.0), "cpu", 0,
+                   dp_size=info.world_size, reduce=lambda t: all_reduce_sum(t, info), max_over_ranks=max_over,
+                   groups_per_mini=4 // info.world_size)  # the whole batch is one mini-batch
+    params = {k: v.clone() for k, v in stream_full_state(policy.lm)}
+    if info.is_main:
+        torch.save({"params": params, "metrics": m}, out)
+    shutdown(info)
+
+
+def _max_over(n: int) -> int:
+    import torch.distributed as dist
+
+    t = torch.tensor([n])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

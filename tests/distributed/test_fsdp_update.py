@@ -1,0 +1,28 @@
+"""The same global batch gives the same update on one process and on two FSDP2 ranks (gloo)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "fsdp_update.py")
+
+
+def _run(cmd, env):
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("agg", ["turn-mean", "seq-mean-token-mean"])
+def test_two_fsdp2_ranks_match_one_process(tmp_path, agg):
+    env = {**os.environ, "AGG": agg, "OMP_NUM_THREADS": "1"}
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    _run([sys.executable, SCRIPT, str(one)], env)
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT, str(two)], env)
+    a, b = torch.load(one), torch.load(two)
+    for k in a["params"]:
+        torch.testing.assert_close(b["params"][k], a["params"][k], rtol=0, atol=1e-6, msg=k)
+    for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert abs(a["metrics"][k] - b["metrics"][k]) < 1e-5, k
