@@ -71,3 +71,11 @@ def test_torchrun_two_processes_fsdp2(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "2 process(es)" in proc.stdout and [r["step"] for r in metrics(out) if "reward" in r] == [1, 2]
     assert os.path.isdir(os.path.join(out, "checkpoints", "step_000002"))
+
+
+@pytest.mark.slow
+def test_the_vllm_engine_runs_in_the_trainer(tmp_path):
+    pytest.importorskip("vllm")
+    out = str(tmp_path / "vllm")
+    train(out, "rollout.engine=vllm", "warmstart.enabled=true", "warmstart.epochs=1")
+    assert [r["step"] for r in metrics(out) if "reward" in r] == [1, 2]

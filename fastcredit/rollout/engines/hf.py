@@ -152,10 +152,11 @@ class HFEngine(Engine):
 
 
 def make_engine(kind: str, model, tokenizer, rollout_cfg=None, device="cpu") -> Engine:
-    """An engine by name. ``hf`` is this module; ``vllm`` is not built yet and says so."""
+    """An engine by name: ``hf`` (this module) or ``vllm`` (fastcredit.rollout.engines.vllm)."""
     if kind == "hf":
         return HFEngine(model, tokenizer, device)
     if kind == "vllm":
-        raise NotImplementedError("rollout.engine=vllm is not available in this version of fastcredit yet; "
-                                  "use rollout.engine=hf")
+        from fastcredit.rollout.engines.vllm import VLLMEngine
+
+        return VLLMEngine.from_module(model, tokenizer, rollout_cfg, device)
     raise ValueError(f"unknown rollout.engine {kind!r}; valid: hf, vllm")
