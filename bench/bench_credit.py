@@ -16,11 +16,8 @@ Results go to ``bench/results/credit_<cpu>.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
-import re
 import statistics
 import time
 
@@ -28,6 +25,7 @@ import torch
 
 from fastcredit.credit import CreditInputs, get_estimator
 from fastcredit.credit.config import CreditConfig
+from results_io import device_name, write_results
 
 SEARCH, ANSWER = 0, 1
 
@@ -87,18 +85,6 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def device_name() -> str:
-    """CPU model (from /proc/cpuinfo where there is one) and the torch thread count."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            found = re.search(r"model name\s*:\s*(.+)", f.read())
-            model = found.group(1).strip() if found else model
-    except OSError:
-        pass
-    return f"{model} ({torch.get_num_threads()} threads)"
-
-
 def _load_average() -> float:
     """1-minute load average (other processes on a shared machine skew timings; it is recorded)."""
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -148,12 +134,7 @@ def main() -> None:
     worst = min(r["speedup"] for r in report["results"])
     print(f"slowest ratio: {worst:.0f}x (target ≥ 50x); geometric mean: "
           f"{math.exp(statistics.mean(math.log(r['speedup']) for r in report['results'])):.0f}x")
-    os.makedirs(args.out, exist_ok=True)
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", report["device"]).strip("_")
-    path = os.path.join(args.out, f"credit_{slug}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {path}")
+    write_results("credit", report, args.out)
 
 
 if __name__ == "__main__":

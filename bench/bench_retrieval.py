@@ -35,9 +35,7 @@ path also runs on CUDA.
 import argparse
 import json
 import os
-import platform
 import random
-import re
 import socket
 import statistics
 import subprocess
@@ -49,6 +47,7 @@ from typing import List, Optional
 
 import numpy as np
 import torch
+from results_io import device_name, write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -235,19 +234,6 @@ def median_s(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            found = re.search(r"model name\s*:\s*(.+)", f.read())
-            model = found.group(1).strip() if found else model
-    except OSError:
-        pass
-    return f"{model} ({torch.get_num_threads()} threads)"
-
-
 # ---------------------------------------------------------------- measurement
 def measure_world(name: str, w: dict, args, device: str, folder: str) -> dict:
     """All paths on one corpus / index / encoder, batch by batch; returns the world's report."""
@@ -354,12 +340,7 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     report = run(args)
-    os.makedirs(args.out, exist_ok=True)
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", report["device"]).strip("_")
-    path = os.path.join(args.out, f"retrieval_{slug}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {path}")
+    write_results("retrieval", report, args.out)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,7 @@ same prompts with the same per-trajectory seeds, one mode after the other in one
 medians of ``--reps``. Results: ``bench/results/rollout_<device>.json``.
 """
 import argparse
-import json
 import os
-import platform
-import re
 import statistics
 import sys
 import time
@@ -22,17 +19,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-
-
-def device_name() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    try:
-        with open("/proc/cpuinfo") as f:
-            found = re.search(r"model name\s*:\s*(.+)", f.read())
-            return f"{found.group(1).strip()} ({torch.get_num_threads()} threads)"
-    except OSError:
-        return platform.processor()
+from results_io import device_name, write_results  # noqa: E402
 
 
 def main() -> None:
@@ -72,13 +59,8 @@ def main() -> None:
               f"turns {rows[mode]['turns_per_traj']:.2f}  searches {rows[mode]['searches_per_traj']:.2f}", flush=True)
     ratio = rows["async"]["trajectories_per_s"] / rows["lockstep"]["trajectories_per_s"]
     print(f"async / lockstep throughput: x{ratio:.2f}")
-    os.makedirs(a.out, exist_ok=True)
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", device_name()).strip("_")
-    path = os.path.join(a.out, f"rollout_{slug}.json")
-    with open(path, "w") as f:
-        json.dump({"device": device_name(), "engine": "hf", "trajectories": a.trajectories, "reps": a.reps,
-                   "load_average_1min": os.getloadavg()[0], "modes": rows, "async_over_lockstep": ratio}, f, indent=1)
-    print(f"wrote {path}")
+    write_results("rollout", {"device": device_name("cuda" if torch.cuda.is_available() else "cpu"), "engine": "hf", "trajectories": a.trajectories, "reps": a.reps,
+                   "load_average_1min": os.getloadavg()[0], "modes": rows, "async_over_lockstep": ratio}, a.out)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,6 @@ median) and measures its peak memory separately; and writes one JSON file per op
 """
 from __future__ import annotations
 
-import json
-import os
-import re
 import time
 from collections import defaultdict
 from typing import Callable, Optional
@@ -18,7 +15,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from results_io import write_results
 
 
 def pytest_collect_file(file_path, parent):
@@ -35,10 +32,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "bench" in item.path.parts:
             item.add_marker(skip)
-
-
-def device_slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
 
 
 class Harness:
@@ -112,18 +105,11 @@ class Harness:
         return row
 
     def write(self) -> list[str]:
-        os.makedirs(RESULTS_DIR, exist_ok=True)
-        paths = []
-        for op, rows in self.rows.items():
-            path = os.path.join(RESULTS_DIR, f"{op}_{device_slug(self.device)}.json")
-            doc = {"op": op, "device": self.device, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                   "torch": torch.__version__, "ceilings": {"copy_gbps": self.copy_gbps,
-                                                             "bf16_matmul_tflops": self.matmul_tflops},
-                   "rows": rows, "speedups": speedups(rows)}
-            with open(path, "w") as f:
-                json.dump(doc, f, indent=1)
-            paths.append(path)
-        return paths
+        return [write_results(op, {"op": op, "device": self.device, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                   "torch": torch.__version__,
+                                   "ceilings": {"copy_gbps": self.copy_gbps, "bf16_matmul_tflops": self.matmul_tflops},
+                                   "rows": rows, "speedups": speedups(rows)})
+                for op, rows in self.rows.items()]
 
 
 def speedups(rows: list[dict], baseline: str = "torch") -> list[dict]:
@@ -144,5 +130,4 @@ def speedups(rows: list[dict], baseline: str = "torch") -> list[dict]:
 def harness(request):
     h = Harness()
     yield h
-    for path in h.write():
-        print(f"\nwrote {path}")
+    h.write()

@@ -12,12 +12,12 @@ trajectory. Results: ``bench/results/critic_smollm2_<cpu>.json``.
 import asyncio
 import json
 import os
-import re
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+from results_io import device_name, write_results  # noqa: E402
 
 
 class ChatEngine:
@@ -88,11 +88,7 @@ def main():
               "label_agreement_with_oracle": agree, "stats": stats,
               "cpu_threads": torch.get_num_threads()}
     print(json.dumps(report, indent=1))
-    cpu = re.sub(r"[^A-Za-z0-9]+", "_", open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0]).strip("_")
-    path = os.path.join(HERE, "results", f"critic_smollm2_{cpu}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {path}")
+    write_results("critic_smollm2", {"device": device_name(), **report})
 
 
 if __name__ == "__main__":

@@ -176,7 +176,7 @@ def ppo_update(policy: PolicyModel, optimizer, data: UpdateData, loss_cfg, optim
     ranks' averaged gradients equal the global batch's gradient. ``on_step()`` runs before
     each optimizer step (the trainer sets the learning rate there).
     """
-    batch, credit = data.batch, data.credit
+    batch = data.batch
     B = batch.num_trajectories
     order = torch.arange(B)
     groups = torch.unique(batch.group_id_B, return_inverse=True)[1]

@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from typing import Optional
 
+from fastcredit.components import Data, load_tokenizer
 from fastcredit.config import ConfigError, TrainConfig, load_config, parse_cli, save_config
 from fastcredit.data.loaders import QAExample, iter_corpus, load_qa
 from fastcredit.data.prompts import build_prompt
@@ -58,16 +59,6 @@ class _Timer:
         now = time.perf_counter()
         print(f"  {label:<44s} {now - self.t0:6.2f} s", flush=True)
         self.t0 = now
-
-
-def _build_tokenizer(cfg: TrainConfig, corpus_texts: list[str], out_dir: str):
-    if cfg.model.policy != "tiny":
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.policy)
-    from fastcredit.data.tokenizer import build_tiny_tokenizer
-
-    return build_tiny_tokenizer(corpus_texts, cfg.model.tiny_vocab, os.path.join(out_dir, "tokenizer"))
 
 
 def _replay(examples: list[QAExample], passages: dict, tokenizer, prompts: list[str]):
@@ -116,7 +107,7 @@ def run(cfg: TrainConfig) -> dict:
     passages = {pid: (title, text) for pid, title, text in iter_corpus(corpus_path)} if corpus_path else {}
     timer.step(f"read {len(passages)} passages")
     prompts = [build_prompt(ex.question, cfg.data.prompt_template) for ex in train]
-    tokenizer = _build_tokenizer(cfg, [f"{t}\n{x}" for t, x in passages.values()] + prompts, out_dir)
+    tokenizer = load_tokenizer(cfg, Data(train, test, corpus_path), out_dir)
     timer.step(f"tokenizer ready (vocabulary {len(tokenizer)})")
     replayed = [ex for ex in test if ex.metadata.get("hops")]
     batch, outcomes, guesses, prompt_tokens = _replay(replayed, passages, tokenizer, prompts)

@@ -240,7 +240,7 @@ class Trainer:
         per_rank = cfg.optim.batch_prompts // info.world_size
         G = cfg.rollout.n_samples
         ds = cfg.credit.dynamic_sampling
-        parts, kept, seen, metrics = [], 0, 0, {}
+        parts, round_metrics, kept, seen = [], [], 0, 0
         want, rounds = per_rank, 0
         while True:
             idx_all = self.sampler.take(want * info.world_size)  # the same draw on every rank
@@ -251,18 +251,18 @@ class Trainer:
                                                 seed_base=seed, group_base=rounds * len(self.data.train))
             with self.timer.phase("reward"):
                 reward, m = self.score(result, examples)
-            for k, v in {**m, **result.stats}.items():
-                metrics[k] = metrics.get(k, 0.0) + v  # averaged below over the rounds
+            round_metrics.append({**m, **result.stats})
             decision = dynamic_sampling_step(reward, result.batch.group_id_B, ds, target_groups=per_rank,
                                              kept_before=kept, seen_before=seen, refill_round=rounds)
             parts.append((result, examples, reward, decision.keep_B))
             kept, seen, rounds = kept + decision.kept_groups, seen + decision.kept_groups + decision.dropped_groups, rounds + 1
-            metrics.update({f"dapo/{k}": v for k, v in decision.metrics.items()} if ds.enabled else {})
             # Every rank refills the same number of prompts, so the shared prompt order stays in step.
             want = self._max_over_ranks(0 if decision.done else decision.refill_prompts)
             if want == 0:
                 break
-        metrics = {k: (v / rounds if k in m or k in result.stats else v) for k, v in metrics.items()}
+        metrics = {k: sum(r[k] for r in round_metrics) / rounds for k in round_metrics[0]}
+        if ds.enabled:
+            metrics.update({f"dapo/{k}": v for k, v in decision.metrics.items()})
         if len(parts) == 1 and not ds.enabled:
             return result, examples, reward, metrics
         batch = concat([p[0].batch for p in parts])
@@ -354,12 +354,17 @@ class Trainer:
         self.timer.reset()
         return float(em[0] / max(float(em[1]), 1.0))
 
-    def save(self) -> None:
-        from fastcredit.checkpoint import save_checkpoint
-
+    def _checkpointed(self) -> tuple[dict, dict]:
+        """The models and optimizers a checkpoint holds, by name."""
         models, optims = {"policy": self.policy}, {"policy": self.optimizer}
         if self.value is not None:
             models["value"], optims["value"] = self.value, self.value_optimizer
+        return models, optims
+
+    def save(self) -> None:
+        from fastcredit.checkpoint import save_checkpoint
+
+        models, optims = self._checkpointed()
         with self.timer.phase("checkpoint"):
             save_checkpoint(self.ckpt_dir, self.step, models, optims,
                             {"data": self.sampler.state(), "opt_steps": self.opt_steps, "rollbacks": self.rollbacks},
@@ -372,10 +377,7 @@ class Trainer:
         if path is None:
             self._say(f"--resume: no checkpoint in {self.ckpt_dir}; starting from step 0")
             return False
-        models, optims = {"policy": self.policy}, {"policy": self.optimizer}
-        if self.value is not None:
-            models["value"], optims["value"] = self.value, self.value_optimizer
-        state = load_checkpoint(path, models, optims)
+        state = load_checkpoint(path, *self._checkpointed())
         self.step, self.opt_steps = state["step"], state["opt_steps"]
         self.rollbacks = state.get("rollbacks", 0)
         self.sampler = PromptSampler(len(self.data.train), self.cfg.seed, **state["data"])

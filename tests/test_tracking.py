@@ -1,5 +1,4 @@
 """Metric sinks: jsonl (truncated on resume), the console table, TensorBoard, the PNG; phase timers."""
-import json
 import os
 
 from fastcredit.profiling import PhaseTimer

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 from fastcredit.rollout.agent import AgentLoop, Episode
 from fastcredit.rollout.engines.base import GenOutput, SamplingParams

@@ -19,15 +19,6 @@ from fastcredit.credit.segments import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: intra-op threads only add synchronisation (slow on a loaded machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _scan_loop(x, rows, c):
     """y_k = x_k + c·y_{k+1} inside a row, the GAE recursion, in float64."""
     y = [0.0] * len(x)

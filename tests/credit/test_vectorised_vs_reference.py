@@ -7,7 +7,6 @@ at 0 and 1 (the clamp), and every switch of METHODS.md.
 """
 import math
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,14 +15,6 @@ from fastcredit.credit import CreditInputs, compute_advantages, get_estimator
 from fastcredit.credit.config import CreditConfig
 from fastcredit.rollout.trajectory import Turn, from_turns
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: intra-op threads only add synchronisation (slow on a loaded machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 INVARIANT = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

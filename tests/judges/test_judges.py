@@ -1,10 +1,8 @@
 """Judges: parsers never raise (fuzzed), verdicts cannot be forged by trajectory text, retries and failure
 counts, deduplication, the HTTP backend against a local server, and the toy-world oracle."""
 import asyncio
-import json
 import math
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
