@@ -31,7 +31,7 @@ endif
 	@echo "environment ready: $(VENV) ($(STACK) stack)"
 
 demo: env
-	$(PY) -m fastcredit.prepare --config configs/demo.yaml
+	$(PY) -m fastcredit.train
 
 test: env
 	$(PY) -m pytest tests -q $(PYTEST_ARGS)

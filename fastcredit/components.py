@@ -7,8 +7,10 @@ data are local paths, the toy world is generated, ``tiny`` models are built in c
 from __future__ import annotations
 
 import copy
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+
 import torch
 
 from fastcredit.config import TrainConfig
@@ -28,23 +30,49 @@ def load_data(cfg: TrainConfig, rank: int = 0) -> Data:
         from fastcredit.data.toyworld import generate_world, write_world
 
         folder = cfg.data.world_dir
-        marker = os.path.join(folder, "summary.json")
-        if rank == 0 and not os.path.exists(marker):
+        built_from = {"toy": asdict(cfg.data.toy)}
+        if rank == 0 and not _built_from(folder, built_from):
+            import shutil
+
+            # the retriever's default index next to the corpus belongs to the old world
+            shutil.rmtree(os.path.join(folder, "corpus.fastcredit"), ignore_errors=True)
             write_world(generate_world(cfg.data.toy), folder)
-        _wait_for(marker)
+            _mark_built(folder, built_from)
+        _wait_for(folder, built_from)
         return Data(load_qa(os.path.join(folder, "train.jsonl")), load_qa(os.path.join(folder, "test.jsonl")),
                     os.path.join(folder, "corpus.jsonl"))
     test = load_qa(cfg.data.test_path) if cfg.data.test_path else []
     return Data(load_qa(cfg.data.train_path), test, cfg.retrieval.corpus)
 
 
-def _wait_for(path: str, timeout_s: float = 600.0) -> None:
+# A generated folder (toy world, tiny tokenizer) records what it was built from; a config that
+# asks for something else rebuilds it instead of silently reusing a stale one.
+_BUILT_FROM = "fastcredit_built_from.json"
+
+
+def _built_from(folder: str, key: dict) -> bool:
+    try:
+        with open(os.path.join(folder, _BUILT_FROM)) as f:
+            return json.load(f) == json.loads(json.dumps(key))
+    except (OSError, ValueError):
+        return False
+
+
+def _mark_built(folder: str, key: dict) -> None:
+    tmp = os.path.join(folder, _BUILT_FROM + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(key, f, sort_keys=True)
+    os.replace(tmp, os.path.join(folder, _BUILT_FROM))
+
+
+def _wait_for(folder: str, key: dict, timeout_s: float = 600.0) -> None:
+    """Other ranks wait until rank 0 has built ``folder`` from ``key``."""
     import time
 
     t0 = time.time()
-    while not os.path.exists(path):
+    while not _built_from(folder, key):
         if time.time() - t0 > timeout_s:
-            raise TimeoutError(f"rank 0 did not write {path} within {timeout_s:.0f} s")
+            raise TimeoutError(f"rank 0 did not build {folder} (from {key}) within {timeout_s:.0f} s")
         time.sleep(0.2)
 
 
@@ -57,8 +85,14 @@ def load_tokenizer(cfg: TrainConfig, data: Data, out_dir: str, rank: int = 0):
             folder, gguf = smollm2_files()
             return AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
         return AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.policy, local_files_only=True)
-    folder = cfg.model.tokenizer or os.path.join(out_dir, "tokenizer")
-    if rank == 0 and not os.path.exists(os.path.join(folder, "tokenizer.json")):
+    if cfg.model.tokenizer:
+        return AutoTokenizer.from_pretrained(cfg.model.tokenizer, local_files_only=True)
+    folder = os.path.join(out_dir, "tokenizer")
+    corpus = os.stat(data.corpus)
+    built_from = {"vocab": cfg.model.tiny_vocab, "template": cfg.data.prompt_template, "corpus": data.corpus,
+                  "corpus_bytes": corpus.st_size, "corpus_mtime_ns": corpus.st_mtime_ns,
+                  "train_questions": len(data.train)}
+    if rank == 0 and not _built_from(folder, built_from):
         from fastcredit.data.loaders import iter_corpus
         from fastcredit.data.prompts import build_prompt
         from fastcredit.data.tokenizer import build_tiny_tokenizer
@@ -66,7 +100,8 @@ def load_tokenizer(cfg: TrainConfig, data: Data, out_dir: str, rank: int = 0):
         texts = [f'Doc 1(Title: "{t}") {x}' for _, t, x in iter_corpus(data.corpus)]
         texts += [build_prompt(ex.question, cfg.data.prompt_template) for ex in data.train]
         build_tiny_tokenizer(texts, cfg.model.tiny_vocab, folder)
-    _wait_for(os.path.join(folder, "tokenizer.json"))
+        _mark_built(folder, built_from)
+    _wait_for(folder, built_from)
     return AutoTokenizer.from_pretrained(folder)
 
 

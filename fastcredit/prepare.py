@@ -44,10 +44,10 @@ def oracle_turns(example: QAExample, passages: dict) -> list[tuple[str, str]]:
     turns = []
     for hop in example.metadata.get("hops", []):
         docs = [passages[pid] for pid in hop["passage_ids"] if pid in passages]
-        action = f"<think>I need to find: {hop['query']}</think>\n<search>{hop['query']}</search>"
+        action = f"<think>I need to find: {hop['query']}</think>\n<search> {hop['query']} </search>"
         turns.append((action, format_observation(docs)))
     answer = example.golden_answers[0]
-    turns.append((f"<think>The answer is {answer}.</think>\n<answer>{answer}</answer>", ""))
+    turns.append((f"<think>The answer is {answer}.</think>\n<answer> {answer} </answer>", ""))
     return turns
 
 

@@ -27,7 +27,10 @@ def oracle_token_turns(example: QAExample, tokenizer, observe: Observer, think: 
     """``(action ids, observation ids)`` per turn of an oracle trajectory; the answer turn has no observation.
 
     With ``rng`` the think text varies in length (0-3 restatements of the query), so the
-    warm-started policy writes turns of uneven length, as real policies do.
+    warm-started policy writes turns of uneven length, as real policies do. Tag contents are
+    space-padded as in Search-R1's prompt (``<search> query </search>``): an entity then has
+    the same tokens inside a tag as in the question and the passages, so copying it is one
+    token-to-token match rather than a re-spelling.
     """
     enc = lambda s: list(tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
     turns = []
@@ -35,10 +38,10 @@ def oracle_token_turns(example: QAExample, tokenizer, observe: Observer, think: 
         q = hop["query"]
         reps = rng.randint(0, 3) if rng is not None else 1
         thought = f"<think>I need to find {q}." + " I search for it." * reps + "</think>\n" if think else ""
-        turns.append((enc(f"{thought}<search>{q}</search>"), observe(q)))
+        turns.append((enc(f"{thought}<search> {q} </search>"), observe(q)))
     answer = example.golden_answers[0]
     thought = f"<think>The answer is {answer}.</think>\n" if think else ""
-    turns.append((enc(f"{thought}<answer>{answer}</answer>"), []))
+    turns.append((enc(f"{thought}<answer> {answer} </answer>"), []))
     return turns
 
 
@@ -57,6 +60,8 @@ def sft_sequences(examples: Sequence[QAExample], prompt_ids: Sequence[Sequence[i
 
 
 def _batches(seqs, batch_size: int, pad_id: int, rng: random.Random):
+    # Random, not length-grouped, batches: on the demo's warm start, grouping by length saved
+    # about 15% of the time but copying emerged later (test loss 0.90 vs 0.82 after 6 epochs).
     order = list(range(len(seqs)))
     rng.shuffle(order)
     for i in range(0, len(order), batch_size):
@@ -68,6 +73,19 @@ def _batches(seqs, batch_size: int, pad_id: int, rng: random.Random):
         for r, (x, y) in enumerate(chunk):
             ids[r, :len(x)], labels[r, :len(y)], mask[r, :len(x)] = torch.tensor(x), torch.tensor(y), 1
         yield ids, labels, mask
+
+
+def _labelled_cross_entropy(model, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over labelled positions, with the LM head applied only there.
+
+    Actions are a small share of an oracle trajectory (prompt and observations are context),
+    so projecting only the positions that predict a label skips most of the head's FLOPs.
+    """
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
+    target = labels[:, 1:]
+    keep = target != -100
+    logits = model.get_output_embeddings()(hidden[keep])
+    return F.cross_entropy(logits.float(), target[keep])
 
 
 def sft_train(model, seqs: list[tuple[list[int], list[int]]], pad_id: int, epochs: int = 3, lr: float = 3e-3,
@@ -86,9 +104,7 @@ def sft_train(model, seqs: list[tuple[list[int], list[int]]], pad_id: int, epoch
         total, n = 0.0, 0
         for ids, labels, mask in _batches(seqs, batch_size, pad_id, rng):
             ids, labels, mask = ids.to(device), labels.to(device), mask.to(device)
-            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
-                                   ignore_index=-100)
+            loss = _labelled_cross_entropy(model, ids, labels, mask)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

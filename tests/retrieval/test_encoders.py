@@ -69,7 +69,7 @@ def test_pool_masks_padding_and_checks_names():
 
 
 def test_minilm_matches_sentence_transformers():
-    st = pytest.importorskip("sentence_transformers")
+    import sentence_transformers as st  # in the dev extra
     enc = Encoder.from_pretrained("minilm", device="cpu")
     texts = ["Where was the founder of Feigrul Group born?", "Grutaes Rothou studied at Filux University.", "x"]
     got = enc.encode_passages(texts)

@@ -74,7 +74,7 @@ void emu_obs(const int32_t* tokens, const int64_t* offsets, const int64_t* rows,
 def emu(tmp_path_factory):
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
-        pytest.skip("no C++ compiler (g++ / c++) on PATH")
+        pytest.fail("no C++ compiler (g++ / c++) on PATH; the CPU and CI setup includes g++ (Debian package g++)")
     d = tmp_path_factory.mktemp("emu")
     (d / "cuda_runtime.h").write_text(FAKE_CUDA_RUNTIME)
     (d / "harness.cpp").write_text(HARNESS)
