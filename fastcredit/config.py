@@ -136,12 +136,13 @@ class OptimConfig:
 
 @dataclass
 class DistributedConfig:
-    engine: Literal["fsdp2", "deepspeed"] = _f("fsdp2", "training engine")
+    engine: Literal["fsdp2", "deepspeed"] = _f("fsdp2", "engine training the policy and value model: torch FSDP2, or DeepSpeed ZeRO (distributed.zero_stage)")
+    zero_stage: Literal[2, 3] = _f(3, "DeepSpeed ZeRO stage (engine=deepspeed): 3 shards parameters, gradients and optimizer state; 2 only gradients and optimizer state")
     backend: Literal["auto", "nccl", "gloo"] = _f("auto", "process-group backend (auto: nccl on GPU, gloo on CPU)")
-    mixed_precision: bool = _f(True, "bf16 compute with fp32 master weights and reduction")
+    mixed_precision: bool = _f(True, "bf16 compute with fp32 master weights and reduction (on CUDA; the CPU computes in fp32)")
     activation_checkpointing: bool = _f(True, "recompute decoder layers in backward")
-    cpu_offload: bool = _f(False, "keep parameters and optimizer state in CPU memory")
-    shard_size: int = _f(-1, "FSDP shard group size (-1: all ranks)")
+    cpu_offload: bool = _f(False, "keep parameters and optimizer state in CPU memory (DeepSpeed: ZeRO-Offload of the optimizer, and of the parameters at stage 3)")
+    shard_size: int = _f(-1, "FSDP2 shard group size, HSDP when it divides the world (-1: all ranks; engine=fsdp2 only)")
     colocate: bool = _f(True, "rollout, judge and training take turns on every GPU (vLLM sleep mode)")
 
 
@@ -400,6 +401,9 @@ def validate(cfg: TrainConfig) -> None:
         (0.0 <= lo.clip_low < 1.0 and lo.clip_high >= 0.0, "loss.clip_low must lie in [0, 1) and loss.clip_high be >= 0"),
         (cfg.retrieval.topk >= 1, "retrieval.topk must be at least 1"),
         (cfg.data.source == "toy" or cfg.data.train_path, f"data.train_path is required for data.source={cfg.data.source}"),
+        (cfg.distributed.engine == "fsdp2" or cfg.distributed.shard_size == -1,
+         f"distributed.shard_size={cfg.distributed.shard_size} applies to distributed.engine=fsdp2 only "
+         "(DeepSpeed ZeRO shards over all ranks); leave it at -1"),
     ]
     for ok, message in checks:
         if not ok:

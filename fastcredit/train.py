@@ -3,6 +3,7 @@
     python -m fastcredit.train                                  # embedded default: configs/demo.yaml on a CPU
     python -m fastcredit.train --config configs/criticsearch.yaml optim.total_steps=800
     torchrun --nproc_per_node=8 -m fastcredit.train --config configs/cwgrpo.yaml
+    torchrun --nproc_per_node=8 -m fastcredit.train --config configs/cwgrpo.yaml distributed.engine=deepspeed  # ZeRO-3
     python -m fastcredit.train --config configs/debug.yaml --resume      # continue from the last checkpoint
     nsys profile --capture-range=cudaProfilerApi python -m fastcredit.train --profile ...
 
@@ -13,6 +14,8 @@ rollout (async agent loop; ProCeed rewinds) → outcome rewards → judges (crit
 PRM) → dynamic sampling (DAPO) → old, reference log-probs and values → estimator by name
 → PPO epochs over mini- and micro-batches (loss through the kernel dispatch) → weight sync
 into the rollout engine at the next rollout → metrics, checkpoint, collapse guard.
+The policy and value model train through the engine ``distributed.engine`` names (FSDP2,
+or DeepSpeed ZeRO stage ``distributed.zero_stage``; fastcredit.distributed.engine).
 Each rank rolls out its own share of the prompts; the update's denominators are global.
 """
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 
 from fastcredit import components as C
 from fastcredit.config import ConfigError, TrainConfig, load_config, parse_cli, save_config, to_dict
-from fastcredit.distributed.fsdp import DistInfo, all_reduce_sum, init_distributed, shutdown, stream_full_state, wrap_fsdp2
+from fastcredit.distributed.fsdp import DistInfo, all_reduce_sum, init_distributed, shutdown
 from fastcredit.profiling import PhaseTimer, profiler_start, profiler_stop
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
@@ -107,24 +110,23 @@ class Trainer:
     def _build_models(self) -> None:
         from fastcredit.actor import PolicyModel, ValueModel
         from fastcredit.credit.registry import VALUE_MODEL_ESTIMATORS
+        from fastcredit.distributed.engine import adamw, build_train_engine
 
-        cfg, dev = self.cfg, self.info.device
+        cfg, dev, o = self.cfg, self.info.device, self.cfg.optim
         lm = C.load_policy(cfg, self.tokenizer, dev)
         if cfg.warmstart.enabled:
             self._warm_start(lm)
         self.engine_lm = C.frozen_copy(lm)  # the rollout engine's own weights, synced after each update
         self.ref = PolicyModel(C.frozen_copy(lm)) if cfg.loss.kl_coef or cfg.credit.kl_in_reward else None
-        d = cfg.distributed
-        self.policy = wrap_fsdp2(PolicyModel(lm), self.info, d.mixed_precision, d.cpu_offload,
-                                 d.activation_checkpointing)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                           weight_decay=cfg.optim.weight_decay)
-        self.value = self.value_optimizer = None
-        if cfg.credit.estimator in VALUE_MODEL_ESTIMATORS:
-            self.value = wrap_fsdp2(ValueModel(C.frozen_copy(lm).requires_grad_(True).train()), self.info,
-                                    d.mixed_precision, d.cpu_offload, d.activation_checkpointing)
-            self.value_optimizer = torch.optim.AdamW(self.value.parameters(), lr=cfg.optim.critic_lr,
-                                                     weight_decay=cfg.optim.weight_decay)
+        # copied before the policy's engine shards lm (ZeRO-3 leaves empty placeholders behind)
+        value_lm = C.frozen_copy(lm).requires_grad_(True).train() if cfg.credit.estimator in VALUE_MODEL_ESTIMATORS \
+            else None
+        # self.policy / self.value: TrainEngines (callable like the models they wrap)
+        self.policy = build_train_engine(PolicyModel(lm), self.info, cfg.distributed,
+                                         adamw(lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay), o.grad_clip)
+        self.value = None if value_lm is None else build_train_engine(
+            ValueModel(value_lm), self.info, cfg.distributed, adamw(lr=o.critic_lr, weight_decay=o.weight_decay),
+            o.grad_clip)
 
     def _warm_start(self, lm) -> None:
         """SFT on oracle trajectories; observations come from the run's own searcher, as in rollouts."""
@@ -153,13 +155,12 @@ class Trainer:
                                   device=self.info.device)
         self.judges = _build_judges(cfg, self)
         self.phases = PhaseManager(self.engine, getattr(self.judges, "engine", None),
-                                   [(self.policy, self.optimizer)] + ([(self.value, self.value_optimizer)]
-                                                                      if self.value is not None else []),
+                                   [self.policy] + ([self.value] if self.value is not None else []),
                                    self.info.device, cfg.rollout.sleep_level, cfg.judges.sleep_level,
                                    cfg.distributed.colocate, sync_fn=self._sync_weights, log=self._log_memory)
 
     def _sync_weights(self, policy) -> None:
-        self.engine.update_weights(stream_full_state(policy.lm))
+        self.engine.update_weights(policy.full_state())
 
     def _log_memory(self, boundary: str, mem: dict) -> None:
         if mem and self.info.is_main:
@@ -302,10 +303,10 @@ class Trainer:
         metrics.update({f"credit/{k}": v for k, v in credit.metrics.items()})
         with self.timer.phase("update"), self.phases.train():
             per_mini = max(cfg.optim.mini_batch_prompts // info.world_size, 1)
-            um = ppo_update(self.policy, self.optimizer, UpdateData(prompts, batch, credit, old, ref, values),
+            um = ppo_update(self.policy, UpdateData(prompts, batch, credit, old, ref, values),
                             cfg.loss, cfg.optim, info.device, self.pad_id, temperature=cfg.rollout.temperature,
                             dp_size=info.world_size, reduce=self._reduce, max_over_ranks=self._max_over_ranks,
-                            value=self.value, value_optimizer=self.value_optimizer, groups_per_mini=per_mini,
+                            value=self.value, groups_per_mini=per_mini,
                             on_step=self._set_lr)
         self.phases.mark_updated()
         metrics.update(um)
@@ -329,11 +330,9 @@ class Trainer:
     def _set_lr(self) -> None:
         o = self.cfg.optim
         factor = C.lr_factor(self.opt_steps, self._total_opt_steps(), o.warmup_ratio, o.schedule)
-        for g in self.optimizer.param_groups:
-            g["lr"] = o.lr * factor
-        if self.value_optimizer is not None:
-            for g in self.value_optimizer.param_groups:
-                g["lr"] = o.critic_lr * factor
+        self.policy.set_lr(o.lr * factor)
+        if self.value is not None:
+            self.value.set_lr(o.critic_lr * factor)
         self.opt_steps += 1
 
     def _total_opt_steps(self) -> int:
@@ -354,21 +353,27 @@ class Trainer:
         self.timer.reset()
         return float(em[0] / max(float(em[1]), 1.0))
 
-    def _checkpointed(self) -> tuple[dict, dict]:
-        """The models and optimizers a checkpoint holds, by name."""
-        models, optims = {"policy": self.policy}, {"policy": self.optimizer}
-        if self.value is not None:
-            models["value"], optims["value"] = self.value, self.value_optimizer
-        return models, optims
+    def _checkpointed(self) -> tuple[dict, dict, dict]:
+        """What a checkpoint holds, by name: DCP models and optimizers, and engines that save themselves."""
+        models, optims, engines = {}, {}, {}
+        for name, engine in (("policy", self.policy), ("value", self.value)):
+            if engine is None:
+                continue
+            dcp_state = engine.dcp_state()
+            if dcp_state is None:
+                engines[name] = engine
+            else:
+                models[name], optims[name] = dcp_state
+        return models, optims, engines
 
     def save(self) -> None:
         from fastcredit.checkpoint import save_checkpoint
 
-        models, optims = self._checkpointed()
+        models, optims, engines = self._checkpointed()
         with self.timer.phase("checkpoint"):
             save_checkpoint(self.ckpt_dir, self.step, models, optims,
                             {"data": self.sampler.state(), "opt_steps": self.opt_steps, "rollbacks": self.rollbacks},
-                            keep=self.cfg.logging.keep_checkpoints)
+                            keep=self.cfg.logging.keep_checkpoints, engines=engines)
 
     def _resume(self, path: Optional[str] = None) -> bool:
         from fastcredit.checkpoint import latest_checkpoint, load_checkpoint
@@ -377,7 +382,8 @@ class Trainer:
         if path is None:
             self._say(f"--resume: no checkpoint in {self.ckpt_dir}; starting from step 0")
             return False
-        state = load_checkpoint(path, *self._checkpointed())
+        models, optims, engines = self._checkpointed()
+        state = load_checkpoint(path, models, optims, engines=engines)
         self.step, self.opt_steps = state["step"], state["opt_steps"]
         self.rollbacks = state.get("rollbacks", 0)
         self.sampler = PromptSampler(len(self.data.train), self.cfg.seed, **state["data"])

@@ -47,3 +47,32 @@ def test_missing_checkpoint_is_named(tmp_path):
     (tmp_path / "latest").write_text("step_000009\n")
     with pytest.raises(FileNotFoundError, match="step_000009"):
         latest_checkpoint(str(tmp_path))
+
+
+class _SelfSavingEngine:
+    """An engine that writes its own state (as DeepSpeed does), here one tensor per folder."""
+
+    def __init__(self, value):
+        self.w = torch.tensor([value])
+
+    def save_state(self, folder):
+        os.makedirs(folder)
+        torch.save(self.w, os.path.join(folder, "w.pt"))
+
+    def load_state(self, folder):
+        self.w = torch.load(os.path.join(folder, "w.pt"))
+
+
+def test_engines_that_save_themselves_get_their_own_folders(tmp_path):
+    engines = {"policy": _SelfSavingEngine(1.0), "value": _SelfSavingEngine(2.0)}
+    path = save_checkpoint(str(tmp_path), 3, {}, {}, {"opt_steps": 6}, engines=engines)
+    assert latest_checkpoint(str(tmp_path)) == path and path.endswith("step_000003")
+    assert sorted(os.listdir(path)) == ["engine", "rng_rank0.pt", "trainer.json"]  # no DCP folder without DCP models
+    fresh = {"policy": _SelfSavingEngine(0.0), "value": _SelfSavingEngine(0.0)}
+    assert load_checkpoint(path, {}, {}, engines=fresh) == {"step": 3, "opt_steps": 6}
+    assert [float(e.w) for e in fresh.values()] == [1.0, 2.0]
+    m, opt = _model_and_opt(0)
+    with pytest.raises(FileNotFoundError, match="no model/ .*another distributed.engine"):
+        load_checkpoint(path, {"policy": m}, {"policy": opt})
+    with pytest.raises(FileNotFoundError, match="no engine/critic"):
+        load_checkpoint(path, {}, {}, engines={"critic": _SelfSavingEngine(0.0)})

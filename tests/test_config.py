@@ -153,3 +153,14 @@ def test_cli_parsing():
 def test_help_from_the_command_line():
     out = subprocess.run([sys.executable, "-m", "fastcredit.prepare", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and "credit.cwgrpo.alpha" in out.stdout
+
+
+def test_bad_engine_settings_name_the_key():
+    with pytest.raises(ConfigError, match="'distributed.engine' must be one of \\['fsdp2', 'deepspeed'\\], got 'zero'"):
+        load_config(None, ["distributed.engine=zero"])
+    with pytest.raises(ConfigError, match="'distributed.zero_stage' must be one of \\[2, 3\\], got 1"):
+        load_config(None, ["distributed.engine=deepspeed", "distributed.zero_stage=1"])
+    with pytest.raises(ConfigError, match="distributed.shard_size=2 applies to distributed.engine=fsdp2 only"):
+        load_config(None, ["distributed.engine=deepspeed", "distributed.shard_size=2"])
+    cfg = load_config(None, ["distributed.engine=deepspeed", "distributed.zero_stage=2"])
+    assert (cfg.distributed.engine, cfg.distributed.zero_stage) == ("deepspeed", 2)

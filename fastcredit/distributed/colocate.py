@@ -1,11 +1,11 @@
 """Colocation: each GPU takes turns between rollout, judging and training.
 
-    phases = PhaseManager(policy_engine, judge_engine, train_state=[(model, optim)], ...)
+    phases = PhaseManager(policy_engine, judge_engine, train_state=[policy], ...)   # TrainEngines
     with phases.rollout(weights=model):  # training state off the GPU, policy engine awake
         ...                              # (weights streamed in first when it slept at level 2)
     with phases.judge():                 # policy engine asleep, frozen critic awake
         ...
-    with phases.train():                 # engines asleep, FSDP2 parameters and optimizer state on the GPU
+    with phases.train():                 # engines asleep, training parameters and optimizer state on the GPU
         ...
 
 vLLM sleep levels (DESIGN.md "Colocation"): level 1 offloads an engine's weights to CPU
@@ -13,6 +13,9 @@ memory and drops its KV cache (right for a frozen critic); level 2 drops both (r
 the policy, whose weights are re-synced after every update anyway). Waking a level-2
 policy engine wakes ``weights`` first, streams the new weights in tensor by tensor, and
 only then allocates the KV cache (``kv_cache``), so the two never peak together.
+The training state moves through each :class:`fastcredit.distributed.engine.TrainEngine`'s
+``offload`` / ``reload``: FSDP2 moves the module and its optimizer's state tensors,
+DeepSpeed uses ZeRO's ``offload_states`` / ``reload_states``.
 GPU memory (allocated / reserved by torch, and used on the device as a whole) is logged
 at every phase boundary. On the CPU the moves and sleeps are no-ops, but the same code
 runs, so tests cover the phase order.
@@ -23,7 +26,6 @@ import contextlib
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
-from torch import nn
 
 
 def gpu_memory(device: Optional[torch.device] = None) -> dict:
@@ -36,20 +38,13 @@ def gpu_memory(device: Optional[torch.device] = None) -> dict:
             "reserved_gib": torch.cuda.memory_reserved(device) / gib, "device_used_gib": (total - free) / gib}
 
 
-def _move_optimizer(opt: torch.optim.Optimizer, device) -> None:
-    for state in opt.state.values():
-        for k, v in state.items():
-            if isinstance(v, torch.Tensor) and k != "step":
-                state[k] = v.to(device, non_blocking=True)
-
-
 class PhaseManager:
-    """Sleep / wake the engines and move the training state at phase boundaries."""
+    """Sleep / wake the engines and move the training state (``train_state``: TrainEngines) at phase boundaries."""
 
-    def __init__(self, policy_engine, judge_engine=None, train_state: Sequence[tuple[nn.Module, object]] = (),
+    def __init__(self, policy_engine, judge_engine=None, train_state: Sequence = (),
                  device: torch.device = torch.device("cpu"), policy_sleep_level: int = 2,
                  judge_sleep_level: int = 1, colocate: bool = True,
-                 sync_fn: Optional[Callable[[nn.Module], None]] = None, log: Optional[Callable[[str, dict], None]] = None):
+                 sync_fn: Optional[Callable[[object], None]] = None, log: Optional[Callable[[str, dict], None]] = None):
         self.policy, self.judge_engine, self.train_state = policy_engine, judge_engine, list(train_state)
         self.device, self.colocate = device, colocate
         self.policy_level, self.judge_level = policy_sleep_level, judge_sleep_level
@@ -76,11 +71,10 @@ class PhaseManager:
     def _train_state_to(self, device) -> None:
         if not self.colocate or self.device.type != "cuda":
             return
-        for model, opt in self.train_state:
-            model.to(device)
-            if opt is not None:
-                _move_optimizer(opt, device)
-        if device == "cpu" or getattr(device, "type", None) == "cpu":
+        to_cpu = device == "cpu" or getattr(device, "type", None) == "cpu"
+        for engine in self.train_state:
+            engine.offload() if to_cpu else engine.reload()
+        if to_cpu:
             torch.cuda.empty_cache()
 
     def mark_updated(self) -> None:
@@ -88,8 +82,9 @@ class PhaseManager:
         self.stale_weights = True
 
     @contextlib.contextmanager
-    def rollout(self, weights: Optional[nn.Module] = None) -> Iterator[None]:
-        """Policy engine awake with current weights; training state and the judge asleep / off the GPU."""
+    def rollout(self, weights: Optional[object] = None) -> Iterator[None]:
+        """Policy engine awake with current weights (``sync_fn(weights)``, the policy's TrainEngine, when stale);
+        training state and the judge asleep / off the GPU."""
         self._sleep("judge")
         self._train_state_to("cpu")
         self.train_on_device = False

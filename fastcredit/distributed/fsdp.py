@@ -1,4 +1,5 @@
-"""Process group, device mesh and FSDP2 wrapping; the only place (with colocate.py) that talks to torch.distributed.
+"""Process group, device mesh and FSDP2 wrapping; with the other files of this package, the only place that talks
+to torch.distributed.
 
     torchrun --nproc_per_node=8 -m fastcredit.train ...   # NCCL on GPUs
     torchrun --nproc_per_node=2 -m fastcredit.train ...   # gloo on a CPU
@@ -11,12 +12,14 @@ with bf16 compute / fp32 reduction (``mixed_precision``), optional parameter and
 optimizer-state offload to the CPU (``cpu_offload``) and activation checkpointing of the
 decoder layers (``activation_checkpointing``). :func:`stream_full_state` yields full
 tensors one at a time (each FSDP2 DTensor gathered with ``full_tensor()``), the weight
-sync into the rollout engine.
+sync into the rollout engine. The PPO update reaches these through
+:class:`fastcredit.distributed.engine.FSDP2Engine`.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -75,9 +78,11 @@ def shutdown(info: DistInfo, code: int = 0) -> None:
     NOTE: gloo's worker threads race the interpreter's shutdown and abort 10-20% of CPU
     runs after all work is done; ``os._exit`` right after the destroy avoids it (ENV-NOTES.md).
     """
-    if info.distributed and dist.is_initialized():
+    if dist.is_initialized():  # torchrun's group, or the one-process group DeepSpeed needs
         dist.barrier()
         dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(code)
 
 
@@ -128,8 +133,12 @@ def stream_full_state(model: nn.Module, dtype: Optional[torch.dtype] = None) -> 
     for name, t in model.state_dict().items():
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
-        name = name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
-        yield name, (t.to(dtype) if dtype is not None and t.is_floating_point() else t).detach()
+        yield hf_name(name), (t.to(dtype) if dtype is not None and t.is_floating_point() else t).detach()
+
+
+def hf_name(name: str) -> str:
+    """A state-dict key with the wrappers' prefixes (activation checkpointing, FSDP1) removed."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
 
 
 def all_reduce_sum(x: torch.Tensor, info: DistInfo) -> torch.Tensor:

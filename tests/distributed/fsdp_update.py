@@ -1,11 +1,18 @@
-"""One PPO update of a tiny policy, on one process or under torchrun with FSDP2 (gloo on a CPU).
+"""One PPO update of a tiny policy, on one process or under torchrun, with FSDP2 or DeepSpeed ZeRO (gloo on a CPU).
 
     python tests/distributed/fsdp_update.py OUT.pt                          # the whole batch, one process
     torchrun --standalone --nproc_per_node=2 tests/distributed/fsdp_update.py OUT.pt   # each rank its half
+    ENGINE=deepspeed ZERO=3 torchrun --standalone --nproc_per_node=2 tests/distributed/fsdp_update.py OUT.pt
 
 Writes the updated parameters (full tensors, rank 0) and the update's metrics to OUT.pt.
 The batch is 8 trajectories in 4 groups of 2, ranks take whole groups; the loss uses the
-global counts, so both runs must produce the same parameters.
+global counts, so every run must produce the same parameters. ``EPOCHS`` (default 1) PPO
+epochs over the batch are as many optimizer steps.
+
+``ENGINE=deepspeed`` trains through DeepSpeed ZeRO stage ``ZERO`` (default 3) with every
+parameter partitioned (persistence threshold 0, so the LM head really is gathered as an
+external parameter), activation checkpointing on, and the state offloaded and reloaded
+through the colocation path before the update.
 """
 import os
 import sys
@@ -16,7 +23,8 @@ from fastcredit.actor import PolicyModel, UpdateData, forward_logprobs, ppo_upda
 from fastcredit.config import OptimConfig
 from fastcredit.credit import CreditInputs, compute_advantages
 from fastcredit.credit.config import CreditConfig, LossConfig
-from fastcredit.distributed.fsdp import all_reduce_sum, init_distributed, shutdown, stream_full_state, wrap_fsdp2
+from fastcredit.distributed.engine import FSDP2Engine
+from fastcredit.distributed.fsdp import all_reduce_sum, init_distributed, shutdown, wrap_fsdp2
 from fastcredit.rollout.trajectory import Turn, from_turns, select
 
 
@@ -53,21 +61,39 @@ def main(out: str) -> None:
     if info.distributed:  # rank r takes groups 2r, 2r+1 (trajectories 4r..4r+3)
         idx = torch.arange(4 * info.rank, 4 * info.rank + 4)
         batch, prompts, reward = select(batch, idx), [prompts[i] for i in idx], reward[idx]
-    policy = wrap_fsdp2(PolicyModel(lm), info, mixed_precision=False)
-    # SGD with lr 1: the parameter change is the gradient itself, compared to 1e-6.
-    opt = torch.optim.SGD(policy.parameters(), lr=1.0)
+    policy = _engine(PolicyModel(lm), info, os.environ.get("ENGINE", "fsdp2"))
     cfg_loss = LossConfig(agg_mode=os.environ.get("AGG", "turn-mean"), kl_coef=0.0)
     max_over = (lambda n: n) if not info.distributed else _max_over
     old, _ = forward_logprobs(policy, prompts, batch, 0, "cpu", 24, max_over_ranks=max_over)
     credit = compute_advantages("grpo", CreditInputs.from_batch(batch, reward), CreditConfig())
-    m = ppo_update(policy, opt, UpdateData(prompts, batch, credit, old), cfg_loss,
-                   OptimConfig(micro_batch_tokens=24, ppo_epochs=1, grad_clip=100.0), "cpu", 0,
+    optim = OptimConfig(micro_batch_tokens=24, ppo_epochs=int(os.environ.get("EPOCHS", "1")), grad_clip=100.0)
+    m = ppo_update(policy, UpdateData(prompts, batch, credit, old), cfg_loss, optim, "cpu", 0,
                    dp_size=info.world_size, reduce=lambda t: all_reduce_sum(t, info), max_over_ranks=max_over,
                    groups_per_mini=4 // info.world_size)  # the whole batch is one mini-batch
-    params = {k: v.clone() for k, v in stream_full_state(policy.lm)}
+    params = {k: v.clone() for k, v in policy.full_state()}
     if info.is_main:
         torch.save({"params": params, "metrics": m}, out)
     shutdown(info)
+
+
+def _sgd(params):
+    # SGD with lr 1: the parameter change is the gradient itself, compared to 1e-6.
+    return torch.optim.SGD(params, lr=1.0)
+
+
+def _engine(module, info, kind: str):
+    if kind == "fsdp2":
+        model = wrap_fsdp2(module, info, mixed_precision=False)
+        return FSDP2Engine(model, _sgd(model.parameters()))
+    from fastcredit.distributed.deepspeed_engine import wrap_deepspeed
+
+    engine = wrap_deepspeed(module, info, _sgd, zero_stage=int(os.environ.get("ZERO", "3")), mixed_precision=False,
+                            activation_checkpointing=True, grad_clip=100.0,
+                            overrides={"zero_allow_untested_optimizer": True,  # SGD is not on ZeRO's list
+                                       "zero_optimization": {"stage3_param_persistence_threshold": 0}})
+    engine.offload()  # the colocation path (CPU to CPU here): the state must come back intact
+    engine.reload()
+    return engine
 
 
 def _max_over(n: int) -> int:

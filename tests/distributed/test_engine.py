@@ -1,0 +1,69 @@
+"""The training-engine boundary on one process: engine choice, FSDP2's calls, DeepSpeed's config mapping."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fastcredit.actor import PolicyModel
+from fastcredit.distributed.engine import FSDP2Engine, adamw, build_train_engine
+from fastcredit.distributed.fsdp import DistInfo
+
+
+def _dcfg(**kw):
+    base = dict(engine="fsdp2", zero_stage=3, mixed_precision=False, cpu_offload=False, activation_checkpointing=False)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def _policy():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, tie_word_embeddings=False)
+    return PolicyModel(Qwen2ForCausalLM(cfg))
+
+
+def _grad_norm(model) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()])))
+
+
+def test_unknown_engine_names_the_key():
+    with pytest.raises(ValueError, match="distributed.engine must be one of \\['fsdp2', 'deepspeed'\\], got 'zero'"):
+        build_train_engine(_policy(), DistInfo(), _dcfg(engine="zero"), adamw(lr=1e-3), 1.0)
+
+
+def test_fsdp2_engine_clips_reports_the_pre_clip_norm_and_streams_hf_names():
+    hf_names = list(_policy().lm.state_dict())
+    engine = build_train_engine(_policy(), DistInfo(), _dcfg(activation_checkpointing=True), adamw(lr=0.5), 1e-3)
+    assert isinstance(engine, FSDP2Engine)
+    assert [name for name, _ in engine.full_state()] == hf_names  # checkpoint wrappers' prefixes removed
+    engine.set_lr(0.25)
+    assert [g["lr"] for g in engine.optimizer.param_groups] == [0.25]
+    engine.zero_grad()
+    ids = torch.randint(0, 50, (2, 7))
+    hidden = engine.module.lm.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+    engine.backward(engine.module.lm.get_output_embeddings()(hidden).logsumexp(-1).mean())
+    expected = _grad_norm(engine.module)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    norm = engine.clip_and_step(1e-3)
+    assert norm == pytest.approx(expected, rel=1e-6) and norm > 1e-3
+    assert _grad_norm(engine.module) == pytest.approx(1e-3, rel=1e-4)
+    assert any(not torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+
+
+def test_deepspeed_config_maps_our_settings():
+    from fastcredit.distributed.deepspeed_engine import deepspeed_config
+
+    cfg = deepspeed_config(4, 3, bf16=True, cpu_offload=True, grad_clip=0.5)
+    # our loop owns accumulation: DeepSpeed must neither divide the loss nor pick the boundary
+    assert cfg["gradient_accumulation_steps"] == 1 and cfg["managed_gradient_accumulation"] is False
+    assert cfg["gradient_clipping"] == 0.5 and cfg["bf16"] == {"enabled": True}
+    assert cfg["communication_data_type"] == "fp32"
+    zero = cfg["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+    zero2 = deepspeed_config(4, 2, bf16=False, cpu_offload=True, grad_clip=1.0)
+    assert "offload_param" not in zero2["zero_optimization"] and "communication_data_type" not in zero2
+    assert "offload_optimizer" not in deepspeed_config(1, 3, False, False, 1.0)["zero_optimization"]
+    with pytest.raises(ValueError, match="distributed.zero_stage must be 2 or 3, got 1"):
+        deepspeed_config(1, 1, False, False, 1.0)
