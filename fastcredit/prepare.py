@@ -41,14 +41,11 @@ def format_observation(passages: list[tuple[str, str]]) -> str:
 
 def oracle_turns(example: QAExample, passages: dict) -> list[tuple[str, str]]:
     """(action, observation) pairs of a trajectory that searches each gold hop, then answers."""
-    turns = []
-    for hop in example.metadata.get("hops", []):
-        docs = [passages[pid] for pid in hop["passage_ids"] if pid in passages]
-        action = f"<think>I need to find: {hop['query']}</think>\n<search> {hop['query']} </search>"
-        turns.append((action, format_observation(docs)))
-    answer = example.golden_answers[0]
-    turns.append((f"<think>The answer is {answer}.</think>\n<answer> {answer} </answer>", ""))
-    return turns
+    from fastcredit.data.toyworld import oracle_actions
+
+    hops = example.metadata.get("hops", [])
+    return [(action, format_observation([passages[pid] for pid in hops[t]["passage_ids"] if pid in passages])
+             if query is not None else "") for t, (action, query) in enumerate(oracle_actions(example))]
 
 
 class _Timer:

@@ -2,10 +2,11 @@
 
 A random tiny policy never writes ``<search>…</search>``, so RL from scratch has no
 signal. The embedded default (and ``bench/bench_rollout.py``) first trains it on oracle
-trajectories of the toy world (``fastcredit.prepare.oracle_turns``: each hop's gold
-sub-query, then the gold answer), with observations as the retriever returns them, so
-the warm-started policy sees the same observation format in rollouts. The loss is the
-token cross-entropy on action tokens only: prompt and observation tokens are context.
+trajectories of the toy world (``fastcredit.data.toyworld.oracle_actions``: each hop's
+gold sub-query, then the gold answer, each think quoting the fact just read), with
+observations as the retriever returns them, so the warm-started policy sees the same
+observation format in rollouts. The loss is the token cross-entropy on action tokens
+only: prompt and observation tokens are context.
 """
 from __future__ import annotations
 
@@ -22,27 +23,14 @@ from fastcredit.data.loaders import QAExample
 Observer = Callable[[str], list[int]]
 
 
-def oracle_token_turns(example: QAExample, tokenizer, observe: Observer, think: bool = True,
+def oracle_token_turns(example: QAExample, tokenizer, observe: Observer,
                        rng: Optional[random.Random] = None) -> list[tuple[list[int], list[int]]]:
-    """``(action ids, observation ids)`` per turn of an oracle trajectory; the answer turn has no observation.
+    """``(action ids, observation ids)`` per turn of the oracle trajectory
+    (:func:`fastcredit.data.toyworld.oracle_actions`); the answer turn has no observation."""
+    from fastcredit.data.toyworld import oracle_actions
 
-    With ``rng`` the think text varies in length (0-3 restatements of the query), so the
-    warm-started policy writes turns of uneven length, as real policies do. Tag contents are
-    space-padded as in Search-R1's prompt (``<search> query </search>``): an entity then has
-    the same tokens inside a tag as in the question and the passages, so copying it is one
-    token-to-token match rather than a re-spelling.
-    """
     enc = lambda s: list(tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
-    turns = []
-    for hop in example.metadata.get("hops", []):
-        q = hop["query"]
-        reps = rng.randint(0, 3) if rng is not None else 1
-        thought = f"<think>I need to find {q}." + " I search for it." * reps + "</think>\n" if think else ""
-        turns.append((enc(f"{thought}<search> {q} </search>"), observe(q)))
-    answer = example.golden_answers[0]
-    thought = f"<think>The answer is {answer}.</think>\n" if think else ""
-    turns.append((enc(f"{thought}<answer> {answer} </answer>"), []))
-    return turns
+    return [(enc(action), observe(query) if query is not None else []) for action, query in oracle_actions(example, rng)]
 
 
 def sft_sequences(examples: Sequence[QAExample], prompt_ids: Sequence[Sequence[int]], tokenizer, observe: Observer,

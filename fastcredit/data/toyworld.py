@@ -412,6 +412,36 @@ def gold_fact_passages(question: Union[QAExample, dict]) -> list[set[str]]:
     return [set(map(str, h["passage_ids"])) for h in _hops(question)]
 
 
+def fact_sentence(hop: dict) -> str:
+    """The sentence in which a passage states ``hop``'s fact (``"X was founded by Y."``)."""
+    return RELATIONS[hop["relation"]].sentence.format(s=hop["subject"], o=hop["answer"])
+
+
+def oracle_actions(question: Union[QAExample, dict],
+                   rng: Optional[random.Random] = None) -> list[tuple[str, Optional[str]]]:
+    """``(action text, query)`` per turn of the oracle trajectory: each gold hop's sub-query, then the answer.
+
+    The answer turn's query is None. Each think first quotes the fact the last observation
+    gave (``<think> X was founded by Y. I need to find Y university.</think>``), as a
+    search agent that reads before it acts does. For a small policy this turns every
+    entity it must write into a copy of a span it has just read: the quoted sentence is
+    in the observation, and the next query or answer is in the quoted sentence. With
+    ``rng`` the think also restates the search 0 to 3 times, so turns vary in length.
+    Tag contents are space-padded as in Search-R1's prompt (``<search> query </search>``),
+    so an entity has the same tokens inside a tag as in the question and the passages.
+    """
+    hops = _hops(question)
+    golds = question.golden_answers if isinstance(question, QAExample) else question["golden_answers"]
+    out, read = [], ""
+    for hop in hops:
+        query = hop["query"]
+        again = " I search for it." * (rng.randint(0, 3) if rng is not None else 0)
+        out.append((f"<think>{read} I need to find {query}.{again}</think>\n<search> {query} </search>", query))
+        read = " " + fact_sentence(hop)
+    out.append((f"<think>{read} The answer is {golds[0]}.</think>\n<answer> {golds[0]} </answer>", None))
+    return out
+
+
 def hops_found(question: Union[QAExample, dict], retrieved_ids: Iterable) -> list[bool]:
     """For each gold hop: is one of its fact's passages among ``retrieved_ids``?"""
     got = set(map(str, retrieved_ids))

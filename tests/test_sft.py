@@ -1,0 +1,88 @@
+"""The warm start: oracle trajectories quote what they read, labels cover actions only, and the loss falls."""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastcredit.data.tokenizer import build_tiny_tokenizer
+from fastcredit.data.toyworld import ToyWorldConfig, fact_sentence, generate_world, oracle_actions
+from fastcredit.models.tiny import build_tiny_policy
+from fastcredit.rewards import score_trajectory
+from fastcredit.sft import _labelled_cross_entropy, sft_sequences, sft_train
+
+SMALL = ToyWorldConfig(num_people=60, num_cities=15, num_countries=5, num_universities=6, num_companies=20,
+                       num_bands=10, num_questions=80)
+
+
+@pytest.fixture(scope="module")
+def world():
+    return generate_world(SMALL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(world):
+    return build_tiny_tokenizer([p.contents for p in world.passages] + [q.question for q in world.questions], 600)
+
+
+def test_oracle_searches_each_hop_quotes_its_passage_and_answers(world):
+    text = {p.id: p.contents for p in world.passages}
+    rng = random.Random(0)
+    for q in world.questions:
+        hops = q.metadata["hops"]
+        turns = oracle_actions(q, rng)
+        assert [query for _, query in turns] == [h["query"] for h in hops] + [None]
+        for t, hop in enumerate(hops):
+            # the turn after hop t quotes hop t's fact, verbatim as one of its passages states it
+            quoted = fact_sentence(hop)
+            assert quoted in turns[t + 1][0]
+            assert any(quoted in text[pid] for pid in hop["passage_ids"]), (q.id, quoted)
+        assert "<think> I need to find" in turns[0][0]  # the first turn has read nothing yet
+        out = score_trajectory([a for a, _ in turns], q.golden_answers)
+        assert out.em == 1.0 and out.format_ok, (q.id, turns)
+
+
+def test_restatements_vary_turn_length_only_with_an_rng(world):
+    q = next(q for q in world.questions if len(q.metadata["hops"]) >= 2)
+    assert oracle_actions(q) == oracle_actions(q)
+    lengths = {len(oracle_actions(q, random.Random(s))[0][0]) for s in range(20)}
+    assert len(lengths) > 1 and min(lengths) == len(oracle_actions(q)[0][0])
+
+
+def test_labels_cover_actions_and_never_prompt_or_observation(world, tokenizer):
+    qs = world.questions[:6]
+    observe = lambda query: [7, 8, 9] * (len(query) % 4 + 1)  # noqa: E731  (a stand-in retriever)
+    enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompts = [enc(q.question) for q in qs]
+    seqs = sft_sequences(qs, prompts, tokenizer, observe, seed=3)
+    rng = random.Random(3)  # sft_sequences draws the restatements from one rng, question by question
+    for q, p, (ids, labels) in zip(qs, prompts, seqs):
+        want_ids, want_labels = list(p), [-100] * len(p)
+        for action, query in oracle_actions(q, rng):
+            obs = observe(query) if query is not None else []
+            want_ids += enc(action) + obs
+            want_labels += enc(action) + [-100] * len(obs)
+        assert ids == want_ids and labels == want_labels
+
+
+def test_labelled_cross_entropy_matches_the_full_logits_loss(tokenizer):
+    lm = build_tiny_policy(tokenizer, hidden=32, layers=2, heads=2, seed=1)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, len(tokenizer), (3, 17), generator=g)
+    mask = torch.ones_like(ids)
+    mask[2, 11:] = 0
+    labels = torch.where(torch.rand(ids.shape, generator=g) < 0.4, ids, torch.full_like(ids, -100))
+    labels[2, 11:] = -100
+    logits = lm(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    full = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(_labelled_cross_entropy(lm, ids, labels, mask), full, rtol=1e-5, atol=1e-6)
+
+
+def test_warm_start_lowers_the_loss_and_leaves_no_gradients(world, tokenizer):
+    lm = build_tiny_policy(tokenizer, hidden=32, layers=2, heads=2, seed=0)
+    qs = world.questions[:48]
+    observe = lambda query: tokenizer(f"<information>{query}</information>", add_special_tokens=False)["input_ids"]  # noqa: E731
+    seqs = sft_sequences(qs, [tokenizer(q.question)["input_ids"] for q in qs], tokenizer, observe)
+    losses = sft_train(lm, seqs, pad_id=0, epochs=6, lr=1e-2, batch_size=8, progress=False)
+    assert len(losses) == 6 and losses[-1] < 0.7 * losses[0], losses
+    assert not lm.training and all(p.grad is None for p in lm.parameters())
