@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from typing import Iterable, Optional
 
 # (metric key, column title, format)
@@ -21,6 +22,14 @@ CONSOLE_KEYS = (
     ("actor/clipfrac", "clip", "{:5.3f}"), ("actor/grad_norm", "|g|", "{:7.3f}"),
     ("tokens_per_s", "tok/s", "{:7.0f}"), ("time/step", "step s", "{:6.1f}"),
 )
+
+
+def write_line(text: str) -> None:
+    """Print a line to stdout above any progress bar (tqdm clears and redraws the bar around it)."""
+    from tqdm import tqdm
+
+    tqdm.write(text, file=sys.stdout)
+    sys.stdout.flush()
 
 
 def _finite(v) -> bool:
@@ -77,7 +86,7 @@ class MetricLogger:
         if self._wandb is not None:
             self._wandb.log(flat, step=step)
         if console:
-            print(self.console_line(step, flat), flush=True)
+            write_line(self.console_line(step, flat))
 
     def console_line(self, step: int, flat: dict) -> str:
         cols = [(title, fmt) for key, title, fmt in CONSOLE_KEYS if key in flat]

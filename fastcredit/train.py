@@ -48,6 +48,29 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# What a run writes into its output folder (generated data such as the toy world and the
+# tiny tokenizer stays: it is keyed by what it was built from and reused).
+RUN_FILES = ("config.yaml", "metrics.jsonl", "curves.png", "checkpoints", "tensorboard", "wandb")
+
+
+def archive_previous_run(out_dir: str) -> Optional[str]:
+    """Move an earlier run's files out of the way of a fresh (not resumed) one; returns where, or None.
+
+    Appending to its metrics.jsonl would mix two runs in one curve, and its ``latest``
+    checkpoint would be what a crash of the new run resumes from. Nothing is deleted.
+    """
+    present = [n for n in RUN_FILES if os.path.exists(os.path.join(out_dir, n))]
+    if present in ([], ["config.yaml"]):  # a config alone: a run that stopped before its first step
+        return None
+    dest = os.path.join(out_dir, "previous", time.strftime("%Y%m%d-%H%M%S"))
+    while os.path.exists(dest):
+        dest += "_"
+    os.makedirs(dest)
+    for name in present:
+        os.replace(os.path.join(out_dir, name), os.path.join(dest, name))
+    return dest
+
+
 class PromptSampler:
     """Epoch-wise shuffled prompts, the same order on every rank; each rank takes its slice of a step's prompts."""
 
@@ -71,6 +94,11 @@ class PromptSampler:
     def state(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
+    def reseed(self, seed: int) -> None:
+        """A new order for the rest of this epoch and the epochs after it (the cursor stays)."""
+        self.seed = seed
+        self._order = self._perm()
+
 
 class Trainer:
     """Owns the models, engine, retriever, judges and optimizer state of one run."""
@@ -83,6 +111,10 @@ class Trainer:
         self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
         if info.is_main:
             os.makedirs(self.out_dir, exist_ok=True)
+            moved = None if resume else archive_previous_run(self.out_dir)
+            if moved:
+                print(f"{self.out_dir} held an earlier run (no --resume): its metrics and checkpoints moved to {moved}",
+                      flush=True)
             save_config(cfg, os.path.join(self.out_dir, "config.yaml"))
         seed_everything(cfg.seed)
         self.timer = PhaseTimer()
@@ -104,8 +136,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _say(self, text: str) -> None:
+        """A line on rank 0's console, above the progress bar when one is showing."""
         if self.info.is_main:
-            print(text, flush=True)
+            from fastcredit.tracking import write_line
+
+            write_line(text)
 
     def _build_models(self) -> None:
         from fastcredit.actor import PolicyModel, ValueModel
@@ -428,6 +463,8 @@ class Trainer:
                 continue
             if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.optim.total_steps:
                 m["eval/em"] = self.evaluate()
+                if m["eval/em"] is not None:
+                    self._say(f"held-out EM after {self.step} steps: {m['eval/em']:.3f}")
             bar.update(1)
             bar.set_postfix(reward=f"{m.get('reward', 0):.3f}", em=f"{m.get('em', 0):.3f}")
             self.logger.log(self.step, m, console=self.step % cfg.logging.log_every == 0)
@@ -452,8 +489,8 @@ class Trainer:
         self._say(f"collapse guard at step {self.step}: {reason}; rolling back to {path} ({rollbacks}/{g.max_rollbacks})")
         self._resume(path)
         self.rollbacks = rollbacks
-        # A different sampling seed after the rollback, or the same collapse would repeat.
-        self.sampler.seed += 7_777 * rollbacks
+        # Other prompts after the rollback, or the same collapse would repeat.
+        self.sampler.reseed(self.sampler.seed + 7_777 * rollbacks)
 
 
 def _proceed_flags(groups: list, cfg: TrainConfig) -> list:

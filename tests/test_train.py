@@ -44,12 +44,19 @@ def test_every_method_runs_two_steps(tmp_path, method):
     assert os.path.isdir(os.path.join(out, "checkpoints", "step_000002"))
 
 
-def test_resume_gives_the_same_next_step(tmp_path):
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    common = ["credit.estimator=grpo", "warmstart.enabled=true", "warmstart.epochs=1", "rollout.temperature=1.0"]
-    train(a, *common, "optim.total_steps=2")
-    train(b, *common, "optim.total_steps=1")
-    train(b, *common, "optim.total_steps=2", resume=True)
+RESUME = ["credit.estimator=grpo", "warmstart.enabled=true", "warmstart.epochs=1", "rollout.temperature=1.0",
+          "optim.total_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Two steps of grpo without a stop; the resume tests compare their step 2 with its."""
+    out = str(tmp_path_factory.mktemp("resume") / "a")
+    train(out, *RESUME)
+    return out
+
+
+def _same_step_2(a, b):
     ra, rb = [r for r in metrics(a) if r["step"] == 2 and "reward" in r], \
         [r for r in metrics(b) if r["step"] == 2 and "reward" in r]
     assert len(rb) == 1
@@ -57,9 +64,69 @@ def test_resume_gives_the_same_next_step(tmp_path):
         assert ra[0][key] == pytest.approx(rb[0][key], rel=1e-6, abs=1e-9), key
 
 
+def test_resume_gives_the_same_next_step(uninterrupted):
+    b = os.path.join(os.path.dirname(uninterrupted), "b")  # beside it: the same toy world
+    train(b, *RESUME[:-1], "optim.total_steps=1")
+    train(b, *RESUME, resume=True)
+    _same_step_2(uninterrupted, b)
+
+
+@pytest.mark.parametrize("kill_at", ["update:2", "latest:2"])
+def test_a_run_killed_mid_step_resumes_to_the_same_next_step(uninterrupted, kill_at):
+    """SIGKILL inside step 2 (in its update; in its checkpoint, before ``latest`` moves): --resume redoes step 2
+    from the step-1 checkpoint and gets the uninterrupted run's numbers."""
+    b = os.path.join(os.path.dirname(uninterrupted), "killed_" + kill_at.replace(":", "_"))
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "killed_run.py"), "--config",
+           os.path.join(ROOT, "configs", "debug.yaml"), f"logging.output_dir={b}", f"data.world_dir={b}/../world",
+           *SMALL, *RESUME]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "KILL_AT": kill_at})
+    assert proc.returncode == -9, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert open(os.path.join(b, "checkpoints", "latest")).read().strip() == "step_000001"
+    proc = train(b, *RESUME, resume=True)
+    assert "resumed from" in proc.stdout and "step_000001" in proc.stdout
+    _same_step_2(uninterrupted, b)
+    assert open(os.path.join(b, "checkpoints", "latest")).read().strip() == "step_000002"
+
+
 def test_collapse_guard_stops(tmp_path):
     proc = train(str(tmp_path / "g"), "guard.max_kl=-1", "guard.action=stop", check=False)
     assert proc.returncode == 3 and "collapse guard" in proc.stdout
+
+
+def test_collapse_guard_rolls_back_then_stops(tmp_path):
+    out = str(tmp_path / "rb")
+    proc = train(out, "guard.max_kl=-1", "guard.after_step=2", "guard.action=rollback", "guard.max_rollbacks=1",
+                 check=False)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rolling back to" in proc.stdout and "step_000001 (1/1)" in proc.stdout
+    assert "collapse guard at step 2" in proc.stdout.split("rolling back")[-1]  # step 2 redone, tripped again
+    assert [r["step"] for r in metrics(out) if "reward" in r] == [1]
+
+
+def test_a_fresh_run_moves_an_earlier_runs_files_aside(tmp_path):
+    from fastcredit.train import archive_previous_run
+
+    (tmp_path / "world").mkdir()
+    (tmp_path / "world" / "corpus.jsonl").write_text("{}")
+    assert archive_previous_run(str(tmp_path)) is None  # generated data alone is not a run
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "config.yaml").write_text("seed: 0\n")
+    (tmp_path / "checkpoints" / "step_000001").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_text("step_000001\n")
+    dest = archive_previous_run(str(tmp_path))
+    assert sorted(os.listdir(dest)) == ["checkpoints", "config.yaml", "metrics.jsonl"]
+    assert open(os.path.join(dest, "checkpoints", "latest")).read() == "step_000001\n"
+    assert sorted(os.listdir(tmp_path)) == ["previous", "world"]
+
+
+def test_prompt_sampler_reseed_changes_the_order_but_not_the_position():
+    from fastcredit.train import PromptSampler
+
+    a, b = PromptSampler(50, seed=0), PromptSampler(50, seed=0)
+    assert a.take(10) == b.take(10)
+    b.reseed(7)
+    assert b.state() == a.state() and a.take(20) != b.take(20)
 
 
 def test_torchrun_two_processes_fsdp2(tmp_path):

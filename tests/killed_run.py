@@ -1,0 +1,50 @@
+"""``python -m fastcredit.train`` that SIGKILLs itself at a chosen point, as a crash or a pre-emption would.
+
+    KILL_AT=update:2 python tests/killed_run.py --config configs/debug.yaml ...   # in step 2's PPO update
+    KILL_AT=latest:2 python tests/killed_run.py ...   # in step 2's checkpoint: its folder is in place, `latest` not moved
+
+``phase:n`` kills on the n-th entry into the trainer's timed phase ``phase`` (one per step);
+``latest:n`` on the n-th checkpoint, just before ``latest`` would name it. SIGKILL runs no
+handler and flushes nothing, so the run directory is left exactly as a crash leaves it.
+"""
+import os
+import signal
+import sys
+from collections import Counter
+
+import fastcredit.checkpoint as checkpoint
+import fastcredit.profiling as profiling
+from fastcredit.train import main
+
+WHERE, NTH = os.environ["KILL_AT"].split(":")
+NTH = int(NTH)
+seen = Counter()
+
+
+def _maybe_die(name):
+    seen[name] += 1
+    if name == WHERE and seen[name] == NTH:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_phase = profiling.PhaseTimer.phase
+
+
+def phase(self, name):
+    _maybe_die(name)
+    return _phase(self, name)
+
+
+_write_latest = checkpoint._write_latest
+
+
+def write_latest(root, name):
+    _maybe_die("latest")
+    return _write_latest(root, name)
+
+
+profiling.PhaseTimer.phase = phase
+checkpoint._write_latest = write_latest
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
