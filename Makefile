@@ -12,6 +12,10 @@ export TRITON_INTERPRET := $(if $(filter cpu,$(STACK)),1,$(TRITON_INTERPRET))
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# JIT-built torch extensions (DeepSpeed's comm op) per environment: two checkouts sharing
+# ~/.cache/torch_extensions rebuild each other's op, and a build cut short leaves a lock
+# that makes the next run wait forever.
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: env demo test bench clean-env
 

@@ -69,7 +69,7 @@ def _labelled_cross_entropy(model, ids: torch.Tensor, labels: torch.Tensor, mask
     Actions are a small share of an oracle trajectory (prompt and observations are context),
     so projecting only the positions that predict a label skips most of the head's FLOPs.
     """
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, :-1]
     target = labels[:, 1:]
     keep = target != -100
     logits = model.get_output_embeddings()(hidden[keep])

@@ -18,16 +18,23 @@ METHODS = {
 }
 
 
-def train(out, *overrides, resume=False, check=True):
-    cmd = [sys.executable, "-m", "fastcredit.train", "--config", os.path.join(ROOT, "configs", "debug.yaml"),
+def train(out, *overrides, resume=False, check=True, entry=("-m", "fastcredit.train"), env=None):
+    """The trainer on the debug config in a subprocess (``entry``: what python runs, e.g. a wrapper script)."""
+    cmd = [sys.executable, *entry, "--config", os.path.join(ROOT, "configs", "debug.yaml"),
            f"logging.output_dir={out}", f"data.world_dir={out}/../world", *SMALL, *overrides]
     if resume:
         cmd.append("--resume")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def torchrun(out, *overrides, resume=False):
+    """The trainer under ``torchrun --nproc_per_node=2`` (gloo on a CPU)."""
+    return train(out, *overrides, resume=resume, env={"OMP_NUM_THREADS": "1"},
+                 entry=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "fastcredit.train"))
 
 
 def metrics(out):
@@ -56,12 +63,14 @@ def uninterrupted(tmp_path_factory):
     return out
 
 
-def _same_step_2(a, b):
+def _same_step_2(a, b, extra_keys=()):
+    """Run ``b`` logged step 2 once, with run ``a``'s numbers; returns that row."""
     ra, rb = [r for r in metrics(a) if r["step"] == 2 and "reward" in r], \
         [r for r in metrics(b) if r["step"] == 2 and "reward" in r]
     assert len(rb) == 1
-    for key in ("reward", "response_tokens_mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+    for key in ("reward", "response_tokens_mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", *extra_keys):
         assert ra[0][key] == pytest.approx(rb[0][key], rel=1e-6, abs=1e-9), key
+    return rb[0]
 
 
 def test_resume_gives_the_same_next_step(uninterrupted):
@@ -76,11 +85,8 @@ def test_a_run_killed_mid_step_resumes_to_the_same_next_step(uninterrupted, kill
     """SIGKILL inside step 2 (in its update; in its checkpoint, before ``latest`` moves): --resume redoes step 2
     from the step-1 checkpoint and gets the uninterrupted run's numbers."""
     b = os.path.join(os.path.dirname(uninterrupted), "killed_" + kill_at.replace(":", "_"))
-    cmd = [sys.executable, os.path.join(ROOT, "tests", "killed_run.py"), "--config",
-           os.path.join(ROOT, "configs", "debug.yaml"), f"logging.output_dir={b}", f"data.world_dir={b}/../world",
-           *SMALL, *RESUME]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "KILL_AT": kill_at})
+    proc = train(b, *RESUME, check=False, entry=(os.path.join(ROOT, "tests", "killed_run.py"),),
+                 env={"KILL_AT": kill_at})
     assert proc.returncode == -9, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert open(os.path.join(b, "checkpoints", "latest")).read().strip() == "step_000001"
     proc = train(b, *RESUME, resume=True)
@@ -131,12 +137,7 @@ def test_prompt_sampler_reseed_changes_the_order_but_not_the_position():
 
 def test_torchrun_two_processes_fsdp2(tmp_path):
     out = str(tmp_path / "ddp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "fastcredit.train",
-           "--config", os.path.join(ROOT, "configs", "debug.yaml"), f"logging.output_dir={out}",
-           f"data.world_dir={tmp_path}/world", *SMALL, "credit.estimator=criticsearch", "judges.backend=oracle"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = torchrun(out, "credit.estimator=criticsearch", "judges.backend=oracle")
     assert "2 process(es)" in proc.stdout and [r["step"] for r in metrics(out) if "reward" in r] == [1, 2]
     assert os.path.isdir(os.path.join(out, "checkpoints", "step_000002"))
 
@@ -154,16 +155,6 @@ def test_the_vllm_engine_runs_in_the_trainer(tmp_path):
 # even though an untrained policy earns no outcome reward.
 DEEPSPEED = ["distributed.engine=deepspeed", "credit.estimator=ppo", "credit.kl_in_reward=0.1",
              "loss.entropy_coef=0.01"]
-
-
-def torchrun(out, *overrides, resume=False):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "fastcredit.train", "--config", os.path.join(ROOT, "configs", "debug.yaml"), f"logging.output_dir={out}",
-           f"data.world_dir={out}/../world", *SMALL, *overrides] + (["--resume"] if resume else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
 
 
 @pytest.fixture(scope="module")
@@ -197,9 +188,5 @@ def test_deepspeed_resume_gives_the_same_next_step(deepspeed_run):
     with open(os.path.join(b, "checkpoints", "latest"), "w") as f:
         f.write("step_000001\n")
     torchrun(b, *DEEPSPEED, "optim.total_steps=2", resume=True)
-    ra, rb = [r for r in metrics(a) if r["step"] == 2 and "reward" in r], \
-        [r for r in metrics(b) if r["step"] == 2 and "reward" in r]
-    assert len(rb) == 1 and rb[0]["critic/grad_norm"] > 0 and rb[0]["actor/grad_norm"] > 0
-    for key in ("reward", "response_tokens_mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
-                "actor/vf_loss", "critic/grad_norm"):
-        assert ra[0][key] == pytest.approx(rb[0][key], rel=1e-6, abs=1e-9), key
+    row = _same_step_2(a, b, ("actor/vf_loss", "critic/grad_norm"))
+    assert row["critic/grad_norm"] > 0 and row["actor/grad_norm"] > 0
