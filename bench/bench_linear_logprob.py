@@ -113,7 +113,7 @@ def policy_inputs(shape: LogprobShape, seed: int = 1) -> dict:
 
 def ours_policy(x: dict, provider: str):
     """fastcredit: log-prob (fused or naive) then the policy loss (fused or torch), token-mean over action tokens."""
-    from fastcredit.credit.config import LossConfig
+    from fastcredit.loss_config import LossConfig
     from fastcredit.kernels.turn_surrogate import turn_surrogate_loss
     from fastcredit.loss import loss_counts, policy_loss_torch
 

@@ -53,7 +53,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-# ---------------------------------------------------------------- Search-R1's server, re-implemented
 def searchr1_server(corpus_path: str, index_path: str, model_path: str, port: int, device: str) -> None:
     """Search-R1's ``retrieval_server.py`` (dense retriever, FastAPI endpoint), same steps in the same order."""
     import faiss
@@ -133,7 +132,6 @@ def searchr1_client(url: str, queries: List[str], topk: int, tokenizer) -> torch
     return tokenizer(strings, padding="longest", return_tensors="pt", add_special_tokens=False)["input_ids"]
 
 
-# ---------------------------------------------------------------- setup
 def make_toy(folder: str) -> dict:
     """The toy world's corpus, indexed with the real MiniLM (fastcredit's build); queries: its questions."""
     from fastcredit.data.toyworld import generate_world, write_world
@@ -234,7 +232,6 @@ def median_s(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-# ---------------------------------------------------------------- measurement
 def measure_world(name: str, w: dict, args, device: str, folder: str) -> dict:
     """All paths on one corpus / index / encoder, batch by batch; returns the world's report."""
     from fastcredit.retrieval.retriever import open_retriever

@@ -24,8 +24,8 @@ from results_io import device_name, write_results  # noqa: E402
 
 def main() -> None:
     from fastcredit.config import load_config
-    from fastcredit.distributed.fsdp import init_distributed
-    from fastcredit.train import Trainer
+    from fastcredit.distributed.process_group import init_distributed
+    from fastcredit.trainer import Trainer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trajectories", type=int, default=64)

@@ -74,7 +74,7 @@ def loss_fn(provider: str):
 
 def make_case(batch: dict, provider: str, agg: str, mode: str):
     """The callable to time for ``mode`` (fwd builds the autograd graph, as training does)."""
-    from fastcredit.credit.config import LossConfig
+    from fastcredit.loss_config import LossConfig
     from fastcredit.loss import loss_counts
 
     cfg = LossConfig(agg_mode=agg, clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=1e-3, entropy_coef=1e-3)

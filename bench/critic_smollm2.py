@@ -58,7 +58,8 @@ def main():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fastcredit.components import smollm2_files
-    from fastcredit.judges.backends import EngineBackend, OracleBackend
+    from fastcredit.judges.backends import EngineBackend
+    from fastcredit.judges.oracle import OracleBackend
     from fastcredit.judges.runner import CriticSearchCritic
     from fastcredit.rollout.engines import HFEngine
 

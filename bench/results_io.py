@@ -1,5 +1,5 @@
 """Where benchmark results go: one JSON file per op and device, ``bench/results/<op>_<device>.json``,
-so numbers from different machines are never mixed (STYLE.md "Benchmarks")."""
+so numbers from different machines are never mixed."""
 from __future__ import annotations
 
 import json

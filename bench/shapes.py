@@ -1,4 +1,4 @@
-"""The one registry of benchmark shapes (STYLE.md "Benchmarks"): the real ones first.
+"""The one registry of benchmark shapes: the real ones first.
 
 Qwen2.5-3B and -7B hidden sizes (2,048 and 3,584), their vocabulary (151,936 rows in the
 LM head), and 4K-token trajectories of a few turns, as the papers' settings use.

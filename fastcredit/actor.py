@@ -6,7 +6,7 @@ tokens (observations included), S turns, H hidden size.
 A trajectory's model input is its prompt followed by its packed response tokens. The
 models return one value per response token only (``[N]``): the log-prob and entropy of
 token ``j`` read the hidden state at the position before it, through the fused linear
-log-prob (``fastcredit.kernels.linear_logprob``: never the ``[N, V]`` logits on a GPU);
+log-prob (``fastcredit.loss.linear_logprob``: never the ``[N, V]`` logits on a GPU);
 the value of token ``j`` is the value head at the same position (the state in which ``j``
 is generated, veRL's convention). The wrappers are the FSDP2 roots, so the LM head and
 embeddings are gathered by the root's hooks before their use; under DeepSpeed ZeRO-3 the
@@ -29,8 +29,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from fastcredit.credit.registry import CreditResult
-from fastcredit.loss import LossCounts, loss_counts, policy_loss, value_loss
+from fastcredit.credit.types import CreditResult
+from fastcredit.loss import LossCounts, linear_logprob, loss_counts, policy_loss, value_loss
 from fastcredit.rollout.trajectory import TrajectoryBatch, select, selection_index
 
 
@@ -75,19 +75,19 @@ def _decode(lm: nn.Module, x: ModelInputs) -> torch.Tensor:
 
 
 class PolicyModel(nn.Module):
-    """An HF causal LM returning per-token log-probs and entropies of the response tokens."""
+    """An HF causal LM returning per-token log-probs and entropies of the response tokens.
 
-    def __init__(self, lm: nn.Module):
+    ``impl``: the configured implementation of the fused log-prob (``loss.impl``)."""
+
+    def __init__(self, lm: nn.Module, impl: str = "auto"):
         super().__init__()
-        self.lm = lm
+        self.lm, self.impl = lm, impl
 
     def forward(self, x: ModelInputs, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        from fastcredit.kernels.linear_logprob import linear_logprob
-
         hidden_BLH = _decode(self.lm, x)
         hidden_NH = hidden_BLH[x.row_N, x.pos_N]
         head = self.lm.get_output_embeddings().weight
-        return linear_logprob(hidden_NH, head, x.target_N, temperature)
+        return linear_logprob(hidden_NH, head, x.target_N, temperature, configured=self.impl)
 
     def external_params(self) -> list[nn.Parameter]:
         """Parameters this forward reads outside their own module's forward (the LM head)."""

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fastcredit.config import TrainConfig
-from fastcredit.data.loaders import QAExample, load_qa
+from fastcredit.data.loaders import load_qa
 
 
 @dataclass
@@ -145,18 +145,6 @@ def frozen_copy(lm) -> torch.nn.Module:
     return ref.eval()
 
 
-def prompt_ids(cfg: TrainConfig, tokenizer, examples: list[QAExample]) -> list[list[int]]:
-    """Search-R1's prompt for each question, chat-templated when configured, as token ids."""
-    from fastcredit.data.prompts import apply_chat_template, build_prompt
-
-    out = []
-    for ex in examples:
-        text = apply_chat_template(tokenizer, build_prompt(ex.question, cfg.data.prompt_template),
-                                   enabled=cfg.model.chat_template)
-        out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
-    return out
-
-
 def make_searcher(cfg: TrainConfig, tokenizer, corpus: str, progress: bool = True):
     """The rollout's :data:`~fastcredit.rollout.agent.Searcher` (in-process retriever, or a ``/retrieve`` server)."""
     from fastcredit.rollout.agent import http_searcher, retriever_searcher
@@ -170,39 +158,3 @@ def make_searcher(cfg: TrainConfig, tokenizer, corpus: str, progress: bool = Tru
 
     retriever = from_config(r, tokenizer=tokenizer, corpus=corpus, progress=progress)
     return retriever_searcher(retriever, r.topk, r.max_passage_tokens, cfg.rollout.max_obs_tokens), retriever
-
-
-def oracle_prm(examples: list[QAExample], episodes) -> tuple[torch.Tensor, torch.Tensor]:
-    """PiCA's ``f`` from the toy world's gold facts: ``(f0_B, f_S)``.
-
-    ``f(t) = (hops found by turns 1..t + 0.5) / (hops + 1)``: the share of the question's
-    gold facts retrieved so far, smoothed into (0, 1); ``f(0) = 0.5 / (hops + 1)``. Used by
-    ``judges.prm=oracle`` through the same interface as a trained PRM.
-    """
-    from fastcredit.data.toyworld import hops_found
-
-    f0, f = [], []
-    for ex, e in zip(examples, episodes):
-        n = max(len(ex.metadata.get("hops", [])), 1)
-        f0.append(0.5 / (n + 1))
-        seen: list = []
-        for step in e.steps:
-            seen += list(step.retrieved_ids)
-            f.append((sum(hops_found(ex, seen)) + 0.5) / (n + 1))
-    return torch.tensor(f0, dtype=torch.float32), torch.tensor(f, dtype=torch.float32)
-
-
-def lr_factor(step: int, total: int, warmup_ratio: float, schedule: str) -> float:
-    """Multiplier of the base learning rate at optimizer step ``step`` of ``total``."""
-    import math
-
-    warm = int(total * warmup_ratio)
-    if step < warm:
-        return (step + 1) / warm
-    frac = (step - warm) / max(total - warm, 1)
-    if schedule == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
-    if schedule == "linear":
-        return max(0.0, 1.0 - frac)
-    return 1.0
-

@@ -15,199 +15,191 @@ import os
 import sys
 import tempfile
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import yaml
 
-from fastcredit.credit.config import CreditConfig, LossConfig
+from fastcredit.credit.config import CreditConfig
 from fastcredit.data.toyworld import ToyWorldConfig
-
-
-def _f(default, help: str, **kw):
-    """A documented field: the help text is shown by ``--help`` and in error messages."""
-    if dataclasses.is_dataclass(default) and isinstance(default, type):
-        return field(default_factory=default, metadata={"help": help}, **kw)
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+from fastcredit.fields import opt
+from fastcredit.loss_config import LossConfig
 
 
 @dataclass
 class ModelConfig:
-    policy: str = _f("tiny", "policy weights: a local HF folder, 'smollm2' (the packaged SmolLM2-135M) or 'tiny' (a random tiny Qwen2 built in code)")
-    tokenizer: Optional[str] = _f(None, "tokenizer folder; defaults to the policy's ('tiny' builds a byte-level BPE over the toy corpus)")
-    value: Optional[str] = _f(None, "value-model initialisation for ppo / pica; defaults to the policy's weights with a fresh scalar head")
-    dtype: Literal["float32", "bfloat16", "float16"] = _f("bfloat16", "parameter dtype for compute on GPU (the CPU always uses float32)")
-    chat_template: bool = _f(False, "wrap prompts with the tokenizer's chat template (instruct models)")
-    attn_impl: Literal["sdpa", "eager", "flash_attention_2"] = _f("sdpa", "attention implementation passed to transformers")
-    tiny_hidden: int = _f(128, "hidden size of the 'tiny' policy")
-    tiny_layers: int = _f(2, "decoder layers of the 'tiny' policy")
-    tiny_heads: int = _f(4, "attention heads of the 'tiny' policy")
-    tiny_vocab: int = _f(2000, "vocabulary size of the 'tiny' policy's BPE tokenizer")
+    policy: str = opt("tiny", "policy weights: a local HF folder, 'smollm2' (the packaged SmolLM2-135M) or 'tiny' (a random tiny Qwen2 built in code)")
+    tokenizer: Optional[str] = opt(None, "tokenizer folder; defaults to the policy's ('tiny' builds a byte-level BPE over the toy corpus)")
+    value: Optional[str] = opt(None, "value-model initialisation for ppo / pica; defaults to the policy's weights with a fresh scalar head")
+    dtype: Literal["float32", "bfloat16", "float16"] = opt("bfloat16", "parameter dtype for compute on GPU (the CPU always uses float32)")
+    chat_template: bool = opt(False, "wrap prompts with the tokenizer's chat template (instruct models)")
+    attn_impl: Literal["sdpa", "eager", "flash_attention_2"] = opt("sdpa", "attention implementation passed to transformers")
+    tiny_hidden: int = opt(128, "hidden size of the 'tiny' policy")
+    tiny_layers: int = opt(2, "decoder layers of the 'tiny' policy")
+    tiny_heads: int = opt(4, "attention heads of the 'tiny' policy")
+    tiny_vocab: int = opt(2000, "vocabulary size of the 'tiny' policy's BPE tokenizer")
 
 
 @dataclass
 class DataConfig:
-    source: Literal["toy", "searchr1", "flashrag"] = _f("toy", "dataset format: the generated toy world, Search-R1 parquet, or FlashRAG jsonl")
-    train_path: Optional[str] = _f(None, "training QA file (parquet / jsonl); unused for source=toy")
-    test_path: Optional[str] = _f(None, "evaluation QA file; unused for source=toy")
-    world_dir: str = _f("runs/toyworld", "where the toy world's files are written and read")
-    toy: ToyWorldConfig = _f(ToyWorldConfig, "toy-world generator settings")
-    prompt_template: Literal["searchr1"] = _f("searchr1", "training prompt (Search-R1 / CriticSearch Prompt 1)")
-    max_prompt_tokens: int = _f(4096, "prompts longer than this are dropped with a warning")
-    shuffle: bool = _f(True, "shuffle the training set each epoch (seeded)")
+    source: Literal["toy", "searchr1", "flashrag"] = opt("toy", "dataset format: the generated toy world, Search-R1 parquet, or FlashRAG jsonl")
+    train_path: Optional[str] = opt(None, "training QA file (parquet / jsonl); unused for source=toy")
+    test_path: Optional[str] = opt(None, "evaluation QA file; unused for source=toy")
+    world_dir: str = opt("runs/toyworld", "where the toy world's files are written and read")
+    toy: ToyWorldConfig = opt(ToyWorldConfig, "toy-world generator settings")
+    prompt_template: Literal["searchr1"] = opt("searchr1", "training prompt (Search-R1 / CriticSearch Prompt 1)")
+    max_prompt_tokens: int = opt(4096, "prompts longer than this are dropped with a warning")
+    shuffle: bool = opt(True, "shuffle the training set each epoch (seeded)")
 
 
 @dataclass
 class RetrievalConfig:
-    backend: Literal["local", "http"] = _f("local", "in-process batched retriever, or a Search-R1 /retrieve server")
-    url: str = _f("http://127.0.0.1:8000/retrieve", "server address for backend=http")
-    corpus: Optional[str] = _f(None, "corpus jsonl (Search-R1 format); defaults to the toy world's")
-    index: Optional[str] = _f(None, "index file (e.g. Search-R1's e5_Flat.index); built if absent")
-    index_type: Literal["flat", "hnsw", "ivfpq", "torch"] = _f("flat", "FAISS flat IP, HNSW, IVF-PQ, or a torch matmul flat index")
-    encoder: str = _f("minilm", "query encoder: 'minilm' (packaged all-MiniLM-L6-v2) or a local HF encoder folder")
-    pooling: Literal["mean", "cls"] = _f("mean", "encoder pooling")
-    query_prefix: str = _f("", "prepended to queries (E5: 'query: ')")
-    passage_prefix: str = _f("", "prepended to passages (E5: 'passage: ')")
-    topk: int = _f(3, "passages per search")
-    max_passage_tokens: int = _f(256, "per-passage cap in the observation")
-    device: Literal["auto", "cpu", "cuda"] = _f("auto", "where the index and encoder live")
-    batch_size: int = _f(256, "largest retrieval micro-batch")
-    batch_timeout_ms: float = _f(2.0, "a micro-batch is sent when full or after this long")
+    backend: Literal["local", "http"] = opt("local", "in-process batched retriever, or a Search-R1 /retrieve server")
+    url: str = opt("http://127.0.0.1:8000/retrieve", "server address for backend=http")
+    corpus: Optional[str] = opt(None, "corpus jsonl (Search-R1 format); defaults to the toy world's")
+    index: Optional[str] = opt(None, "index file (e.g. Search-R1's e5_Flat.index); built if absent")
+    index_type: Literal["flat", "hnsw", "ivfpq", "torch"] = opt("flat", "FAISS flat IP, HNSW, IVF-PQ, or a torch matmul flat index")
+    encoder: str = opt("minilm", "query encoder: 'minilm' (packaged all-MiniLM-L6-v2) or a local HF encoder folder")
+    pooling: Literal["mean", "cls"] = opt("mean", "encoder pooling")
+    query_prefix: str = opt("", "prepended to queries (E5: 'query: ')")
+    passage_prefix: str = opt("", "prepended to passages (E5: 'passage: ')")
+    topk: int = opt(3, "passages per search")
+    max_passage_tokens: int = opt(256, "per-passage cap in the observation")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "where the index and encoder live")
+    batch_size: int = opt(256, "largest retrieval micro-batch")
+    batch_timeout_ms: float = opt(2.0, "a micro-batch is sent when full or after this long")
 
 
 @dataclass
 class ProceedRolloutConfig:
-    enabled: bool = _f(False, "ProCeedRL rewind-and-refine rollouts (METHODS.md section 5)")
-    fraction: float = _f(0.5, "fraction of each group rolled out with ProCeed (paper: G/2)")
-    tau: int = _f(3, "a step whose critic score is below tau is rewound and refined")
-    max_rewinds: int = _f(4, "cap on rewinds per trajectory")
-    refiner: Literal["self", "external"] = _f("self", "who writes refined actions: the policy, or the judge engine")
+    enabled: bool = opt(False, "ProCeedRL rewind-and-refine rollouts (docs/methods.md section 5)")
+    fraction: float = opt(0.5, "fraction of each group rolled out with ProCeed (paper: G/2)")
+    tau: int = opt(3, "a step whose critic score is below tau is rewound and refined")
+    max_rewinds: int = opt(4, "cap on rewinds per trajectory")
+    refiner: Literal["self", "external"] = opt("self", "who writes refined actions: the policy, or the judge engine")
 
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf", "vllm"] = _f("hf", "generation engine")
-    mode: Literal["async", "lockstep"] = _f("async", "async agent loop, or Search-R1's lockstep turns (baseline)")
-    n_samples: int = _f(5, "G: samples per prompt (a group)")
-    temperature: float = _f(1.0, "sampling temperature")
-    top_p: float = _f(1.0, "nucleus sampling")
-    top_k: int = _f(-1, "top-k sampling (-1: off)")
-    max_turns: int = _f(4, "action budget per trajectory; the last turn is 'truncated' if it runs out")
-    max_action_tokens: int = _f(500, "tokens one action may generate")
-    max_obs_tokens: int = _f(500, "cap on one observation's tokens")
-    max_response_tokens: int = _f(4096, "cap on a whole response (actions + observations)")
-    gpu_memory_utilization: float = _f(0.5, "vLLM KV-cache share of GPU memory")
-    sleep_level: Literal[1, 2] = _f(2, "vLLM sleep level for the policy engine (2: drop weights, re-synced after the update)")
-    enable_prefix_caching: bool = _f(True, "vLLM prefix caching")
-    tensor_parallel: int = _f(1, "vLLM tensor parallel size")
-    proceed: ProceedRolloutConfig = _f(ProceedRolloutConfig, "ProCeedRL rewinds")
+    engine: Literal["hf", "vllm"] = opt("hf", "generation engine")
+    mode: Literal["async", "lockstep"] = opt("async", "async agent loop, or Search-R1's lockstep turns (baseline)")
+    n_samples: int = opt(5, "G: samples per prompt (a group)")
+    temperature: float = opt(1.0, "sampling temperature")
+    top_p: float = opt(1.0, "nucleus sampling")
+    top_k: int = opt(-1, "top-k sampling (-1: off)")
+    max_turns: int = opt(4, "action budget per trajectory; the last turn is 'truncated' if it runs out")
+    max_action_tokens: int = opt(500, "tokens one action may generate")
+    max_obs_tokens: int = opt(500, "cap on one observation's tokens")
+    max_response_tokens: int = opt(4096, "cap on a whole response (actions + observations)")
+    gpu_memory_utilization: float = opt(0.5, "vLLM KV-cache share of GPU memory")
+    sleep_level: Literal[1, 2] = opt(2, "vLLM sleep level for the policy engine (2: drop weights, re-synced after the update)")
+    enable_prefix_caching: bool = opt(True, "vLLM prefix caching")
+    tensor_parallel: int = opt(1, "vLLM tensor parallel size")
+    proceed: ProceedRolloutConfig = opt(ProceedRolloutConfig, "ProCeedRL rewinds")
 
 
 @dataclass
 class JudgesConfig:
-    backend: Literal["none", "colocated", "http", "oracle"] = _f("none", "critic / judge backend; 'oracle' answers from the toy world's gold facts")
-    model: Optional[str] = _f(None, "judge weights (colocated) or model name (http)")
-    url: str = _f("http://127.0.0.1:8001/v1", "OpenAI-compatible endpoint for backend=http")
-    temperature: float = _f(0.0, "judge sampling temperature")
-    max_tokens: int = _f(1024, "judge output budget")
-    concurrency: int = _f(64, "in-flight requests to an http judge")
-    timeout_s: float = _f(60.0, "per-request timeout for an http judge")
-    sleep_level: Literal[1, 2] = _f(1, "vLLM sleep level of a colocated judge (1 keeps frozen weights in CPU memory)")
-    prm: Optional[str] = _f(None, "PiCA process reward model folder; 'oracle' uses the toy world's gold facts")
+    backend: Literal["none", "colocated", "http", "oracle"] = opt("none", "critic / judge backend; 'oracle' answers from the toy world's gold facts")
+    model: Optional[str] = opt(None, "judge weights (colocated) or model name (http)")
+    url: str = opt("http://127.0.0.1:8001/v1", "OpenAI-compatible endpoint for backend=http")
+    temperature: float = opt(0.0, "judge sampling temperature")
+    max_tokens: int = opt(1024, "judge output budget")
+    concurrency: int = opt(64, "in-flight requests to an http judge")
+    timeout_s: float = opt(60.0, "per-request timeout for an http judge")
+    sleep_level: Literal[1, 2] = opt(1, "vLLM sleep level of a colocated judge (1 keeps frozen weights in CPU memory)")
+    prm: Optional[str] = opt(None, "PiCA process reward model folder; 'oracle' uses the toy world's gold facts")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(1e-6, "policy learning rate")
-    critic_lr: float = _f(1e-5, "value-model learning rate (ppo, pica)")
-    weight_decay: float = _f(0.01, "AdamW weight decay")
-    betas: list = _f([0.9, 0.999], "AdamW betas")
-    warmup_ratio: float = _f(0.0, "linear warm-up over this fraction of the steps")
-    schedule: Literal["constant", "cosine", "linear"] = _f("constant", "schedule after warm-up")
-    grad_clip: float = _f(1.0, "max global gradient norm")
-    total_steps: int = _f(1000, "training steps")
-    batch_prompts: int = _f(512, "prompts per step (each sampled n_samples times)")
-    mini_batch_prompts: int = _f(256, "prompts per optimizer step (PPO mini-batch)")
-    micro_batch_tokens: int = _f(16384, "tokens per forward/backward micro-batch (packed)")
-    ppo_epochs: int = _f(1, "passes over each step's data")
+    lr: float = opt(1e-6, "policy learning rate")
+    critic_lr: float = opt(1e-5, "value-model learning rate (ppo, pica)")
+    weight_decay: float = opt(0.01, "AdamW weight decay")
+    betas: list = opt([0.9, 0.999], "AdamW betas")
+    warmup_ratio: float = opt(0.0, "linear warm-up over this fraction of the steps")
+    schedule: Literal["constant", "cosine", "linear"] = opt("constant", "schedule after warm-up")
+    grad_clip: float = opt(1.0, "max global gradient norm")
+    total_steps: int = opt(1000, "training steps")
+    batch_prompts: int = opt(512, "prompts per step (each sampled n_samples times)")
+    mini_batch_prompts: int = opt(256, "prompts per optimizer step (PPO mini-batch)")
+    micro_batch_tokens: int = opt(16384, "tokens per forward/backward micro-batch (packed)")
+    ppo_epochs: int = opt(1, "passes over each step's data")
 
 
 @dataclass
 class DistributedConfig:
-    engine: Literal["fsdp2", "deepspeed"] = _f("fsdp2", "engine training the policy and value model: torch FSDP2, or DeepSpeed ZeRO (distributed.zero_stage)")
-    zero_stage: Literal[2, 3] = _f(3, "DeepSpeed ZeRO stage (engine=deepspeed): 3 shards parameters, gradients and optimizer state; 2 only gradients and optimizer state")
-    backend: Literal["auto", "nccl", "gloo"] = _f("auto", "process-group backend (auto: nccl on GPU, gloo on CPU)")
-    mixed_precision: bool = _f(True, "bf16 compute with fp32 master weights and reduction (on CUDA; the CPU computes in fp32)")
-    activation_checkpointing: bool = _f(True, "recompute decoder layers in backward")
-    cpu_offload: bool = _f(False, "keep parameters and optimizer state in CPU memory (DeepSpeed: ZeRO-Offload of the optimizer, and of the parameters at stage 3)")
-    shard_size: int = _f(-1, "FSDP2 shard group size, HSDP when it divides the world (-1: all ranks; engine=fsdp2 only)")
-    colocate: bool = _f(True, "rollout, judge and training take turns on every GPU (vLLM sleep mode)")
+    engine: Literal["fsdp2", "deepspeed"] = opt("fsdp2", "engine training the policy and value model: torch FSDP2, or DeepSpeed ZeRO (distributed.zero_stage)")
+    zero_stage: Literal[2, 3] = opt(3, "DeepSpeed ZeRO stage (engine=deepspeed): 3 shards parameters, gradients and optimizer state; 2 only gradients and optimizer state")
+    backend: Literal["auto", "nccl", "gloo"] = opt("auto", "process-group backend (auto: nccl on GPU, gloo on CPU)")
+    mixed_precision: bool = opt(True, "bf16 compute with fp32 master weights and reduction (on CUDA; the CPU computes in fp32)")
+    activation_checkpointing: bool = opt(True, "recompute decoder layers in backward")
+    cpu_offload: bool = opt(False, "keep parameters and optimizer state in CPU memory (DeepSpeed: ZeRO-Offload of the optimizer, and of the parameters at stage 3)")
+    shard_size: int = opt(-1, "FSDP2 shard group size, HSDP when it divides the world (-1: all ranks; engine=fsdp2 only)")
+    colocate: bool = opt(True, "rollout, judge and training take turns on every GPU (vLLM sleep mode)")
 
 
 @dataclass
 class LoggingConfig:
-    output_dir: str = _f("runs/default", "run directory: merged config, metrics, checkpoints")
-    log_every: int = _f(1, "steps between console lines")
-    jsonl: bool = _f(True, "append per-step metrics to metrics.jsonl")
-    tensorboard: bool = _f(False, "write TensorBoard events")
-    wandb: bool = _f(False, "log to Weights & Biases (offline unless configured)")
-    progress: bool = _f(True, "progress bars")
-    nvtx: bool = _f(True, "NVTX ranges around phases (no-op without a GPU)")
-    checkpoint_every: int = _f(50, "steps between checkpoints (0: only at the end)")
-    keep_checkpoints: int = _f(2, "checkpoints kept on disk")
+    output_dir: str = opt("runs/default", "run directory: merged config, metrics, checkpoints")
+    log_every: int = opt(1, "steps between console lines")
+    jsonl: bool = opt(True, "append per-step metrics to metrics.jsonl")
+    tensorboard: bool = opt(False, "write TensorBoard events")
+    wandb: bool = opt(False, "log to Weights & Biases (offline unless configured)")
+    progress: bool = opt(True, "progress bars")
+    nvtx: bool = opt(True, "NVTX ranges around phases (no-op without a GPU)")
+    checkpoint_every: int = opt(50, "steps between checkpoints (0: only at the end)")
+    keep_checkpoints: int = opt(2, "checkpoints kept on disk")
 
 
 @dataclass
 class WarmStartConfig:
-    enabled: bool = _f(False, "supervised pass on the toy world's oracle trajectories before RL (a tiny policy cannot search otherwise)")
-    epochs: int = _f(3, "passes over the training questions")
-    lr: float = _f(3e-3, "warm-start learning rate (cosine decay)")
-    batch_size: int = _f(16, "trajectories per warm-start step")
-    questions: int = _f(0, "training questions used (0: all)")
+    enabled: bool = opt(False, "supervised pass on the toy world's oracle trajectories before RL (a tiny policy cannot search otherwise)")
+    epochs: int = opt(3, "passes over the training questions")
+    lr: float = opt(3e-3, "warm-start learning rate (cosine decay)")
+    batch_size: int = opt(16, "trajectories per warm-start step")
+    questions: int = opt(0, "training questions used (0: all)")
 
 
 @dataclass
 class EvalConfig:
-    questions: int = _f(100, "held-out questions scored with greedy rollouts (0: no evaluation)")
-    every: int = _f(0, "steps between evaluations (0: only before and after training)")
+    questions: int = opt(100, "held-out questions scored with greedy rollouts (0: no evaluation)")
+    every: int = opt(0, "steps between evaluations (0: only before and after training)")
 
 
 @dataclass
 class GuardConfig:
-    max_kl: float = _f(float("inf"), "collapse guard: KL to the reference policy above this trips it")
-    max_grad_norm: float = _f(float("inf"), "collapse guard: pre-clip gradient norm above this trips it")
-    min_reward: float = _f(float("-inf"), "collapse guard: mean reward below this (after warm-up) trips it")
-    after_step: int = _f(1, "the guard is armed from this step on")
-    action: Literal["stop", "rollback"] = _f("rollback", "stop the run, or reload the last checkpoint and go on")
-    max_rollbacks: int = _f(3, "rollbacks before the run stops anyway")
+    max_kl: float = opt(float("inf"), "collapse guard: KL to the reference policy above this trips it")
+    max_grad_norm: float = opt(float("inf"), "collapse guard: pre-clip gradient norm above this trips it")
+    min_reward: float = opt(float("-inf"), "collapse guard: mean reward below this (after warm-up) trips it")
+    after_step: int = opt(1, "the guard is armed from this step on")
+    action: Literal["stop", "rollback"] = opt("rollback", "stop the run, or reload the last checkpoint and go on")
+    max_rollbacks: int = opt(3, "rollbacks before the run stops anyway")
 
 
 @dataclass
 class TrainConfig:
-    seed: int = _f(0, "global seed")
-    run_name: str = _f("fastcredit", "name shown in logs")
-    model: ModelConfig = _f(ModelConfig, "policy, tokenizer and value model")
-    data: DataConfig = _f(DataConfig, "datasets and prompts")
-    retrieval: RetrievalConfig = _f(RetrievalConfig, "corpus, encoder and index")
-    rollout: RolloutConfig = _f(RolloutConfig, "generation and the agent loop")
-    judges: JudgesConfig = _f(JudgesConfig, "critics, judges, process reward model")
-    credit: CreditConfig = _f(CreditConfig, "outcome reward and advantage estimator")
-    loss: LossConfig = _f(LossConfig, "policy and value losses")
-    optim: OptimConfig = _f(OptimConfig, "optimiser, schedule and batch sizes")
-    distributed: DistributedConfig = _f(DistributedConfig, "FSDP2 / DeepSpeed, colocation")
-    logging: LoggingConfig = _f(LoggingConfig, "metrics, checkpoints, profiling")
-    warmstart: WarmStartConfig = _f(WarmStartConfig, "supervised warm start on oracle trajectories")
-    eval: EvalConfig = _f(EvalConfig, "held-out exact match")
-    guard: GuardConfig = _f(GuardConfig, "collapse guard on KL, gradient norm and reward")
+    seed: int = opt(0, "global seed")
+    run_name: str = opt("fastcredit", "name shown in logs")
+    model: ModelConfig = opt(ModelConfig, "policy, tokenizer and value model")
+    data: DataConfig = opt(DataConfig, "datasets and prompts")
+    retrieval: RetrievalConfig = opt(RetrievalConfig, "corpus, encoder and index")
+    rollout: RolloutConfig = opt(RolloutConfig, "generation and the agent loop")
+    judges: JudgesConfig = opt(JudgesConfig, "critics, judges, process reward model")
+    credit: CreditConfig = opt(CreditConfig, "outcome reward and advantage estimator")
+    loss: LossConfig = opt(LossConfig, "policy and value losses")
+    optim: OptimConfig = opt(OptimConfig, "optimiser, schedule and batch sizes")
+    distributed: DistributedConfig = opt(DistributedConfig, "FSDP2 / DeepSpeed, colocation")
+    logging: LoggingConfig = opt(LoggingConfig, "metrics, checkpoints, profiling")
+    warmstart: WarmStartConfig = opt(WarmStartConfig, "supervised warm start on oracle trajectories")
+    eval: EvalConfig = opt(EvalConfig, "held-out exact match")
+    guard: GuardConfig = opt(GuardConfig, "collapse guard on KL, gradient norm and reward")
 
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the key and its origin."""
 
 
-# --------------------------------------------------------------------------- loading
 def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()) -> TrainConfig:
     """Defaults, then the YAML file (if any), then ``key=value`` overrides; validated."""
     cfg = TrainConfig()
@@ -321,7 +313,6 @@ def all_keys(cls=TrainConfig, prefix: str = "") -> list[str]:
     return out
 
 
-# --------------------------------------------------------------------------- types
 def _coerce(value, tp, key: str, origin: str):
     raw = value if isinstance(value, _RawValue) else None
     if raw is not None:
@@ -381,7 +372,6 @@ def _to_float(value, key: str, origin: str) -> float:
     raise ConfigError(f"{origin}: '{key}' must be a number (inf allowed), got {value!r}")
 
 
-# --------------------------------------------------------------------------- checks
 def validate(cfg: TrainConfig) -> None:
     """Cross-field checks that a type alone cannot express."""
     o, r, lo = cfg.optim, cfg.rollout, cfg.loss
@@ -408,19 +398,31 @@ def validate(cfg: TrainConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    needs_judge = {"criticsearch": "a critic", "cwgrpo": "a judge"}
-    if cfg.credit.estimator in needs_judge and cfg.judges.backend == "none":
-        raise ConfigError(
-            f"credit.estimator={cfg.credit.estimator} needs {needs_judge[cfg.credit.estimator]}: "
-            "set judges.backend to colocated, http or oracle"
-        )
-    if cfg.credit.estimator == "proceed" and not r.proceed.enabled:
-        raise ConfigError("credit.estimator=proceed needs rollout.proceed.enabled=true")
-    if cfg.credit.estimator == "pica" and not cfg.judges.prm:
-        raise ConfigError("credit.estimator=pica needs a process reward model: set judges.prm")
+    _validate_needs(cfg)
 
 
-# --------------------------------------------------------------------------- output
+# What each judge kind of an estimator's Needs asks of the config: (unmet?, what to set).
+_JUDGE_SETTINGS = {
+    "critic": (lambda c: c.judges.backend == "none", "a critic: set judges.backend to colocated, http or oracle"),
+    "round_judge": (lambda c: c.judges.backend == "none", "a judge: set judges.backend to colocated, http or oracle"),
+    "prm": (lambda c: not c.judges.prm, "a process reward model: set judges.prm"),
+}
+
+
+def _validate_needs(cfg: TrainConfig) -> None:
+    """What the chosen estimator declared it needs (``fastcredit.credit.estimator_needs``) is configured."""
+    from fastcredit.credit.registry import estimator_needs
+
+    est = cfg.credit.estimator
+    needs = estimator_needs(est)
+    if needs.judge is not None:
+        unmet, what = _JUDGE_SETTINGS[needs.judge]
+        if unmet(cfg):
+            raise ConfigError(f"credit.estimator={est} needs {what}")
+    if needs.proceed_rollout and not cfg.rollout.proceed.enabled:
+        raise ConfigError(f"credit.estimator={est} needs rollout.proceed.enabled=true")
+
+
 def to_dict(cfg) -> dict:
     """Plain nested dict (``inf`` kept as a float)."""
     return dataclasses.asdict(cfg)

@@ -1,11 +1,17 @@
-"""The policy and value losses: the torch reference that the fused kernels must match.
+"""The policy and value losses, and the one place that dispatches every fused op.
+
+``policy_loss`` (the turn-level surrogate) and ``linear_logprob`` (hidden states × LM head
+→ log-prob and entropy) each run a Triton kernel of ``fastcredit.kernels`` or their torch
+reference, as ``fastcredit.kernels._dispatch`` decides from ``impl=``,
+``$FASTCREDIT_LOSS_IMPL`` and ``loss.impl``. The torch references here are what the
+kernels must match.
 
 Legend (shape suffixes):
     N  packed tokens of one micro-batch (observations included; they never count)
     S  turns of that micro-batch, trajectory-major
     B  trajectories
 
-Per counted action token (METHODS.md "The policy loss"):
+Per counted action token (docs/methods.md §7):
 
     ρ      = exp(logπθ − logπold)
     pg     = max(−A·ρ, −A·clip(ρ, 1 − clip_low, 1 + clip_high))
@@ -34,21 +40,19 @@ This file never imports ``torch.distributed``.
 """
 from __future__ import annotations
 
-import importlib
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from fastcredit.credit.config import LossConfig
-from fastcredit.credit.proceed import chord_phi
 from fastcredit.credit.segments import gather_turns
+from fastcredit.kernels._dispatch import pick_kernel, resolve
+from fastcredit.loss_config import LossConfig
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "turn-mean")
-# The fused Triton kernel (next issue) plugs in here, with policy_loss_torch's signature.
+# The fused ops: (module, function), each with the signature of its torch reference here.
 KERNEL_MODULE, KERNEL_FN = "fastcredit.kernels.turn_surrogate", "turn_surrogate_loss"
-IMPL_ENV = "FASTCREDIT_LOSS_IMPL"  # auto | triton | torch; overrides loss.impl (the fused log-prob reads it too)
+LOGPROB_MODULE, LOGPROB_FN = "fastcredit.kernels.linear_logprob", "linear_logprob_triton"
 
 
 @dataclass
@@ -100,6 +104,12 @@ def aggregate(loss_N: torch.Tensor, mask_N: torch.Tensor, seg_id_N: torch.Tensor
     total = torch.zeros(size, dtype=loss_N.dtype, device=loss_N.device).index_add(0, group_N, masked_N)
     n = torch.zeros(size, dtype=loss_N.dtype, device=loss_N.device).index_add(0, group_N, mask_N.to(loss_N.dtype))
     return (total / n.clamp(min=1)).sum() / max(denom, 1.0)
+
+
+def chord_phi(logp_N: torch.Tensor) -> torch.Tensor:
+    """CHORD-φ ``p·(1 − p)`` with ``p = exp(logp)``, detached (no gradient flows through the weight)."""
+    p = torch.exp(logp_N.detach())
+    return p * (1.0 - p)
 
 
 def token_weights(logp_N: torch.Tensor, weight_N: Optional[torch.Tensor],
@@ -187,33 +197,36 @@ def _token_mean(x_N: torch.Tensor, mask_N: torch.Tensor, counts: LossCounts) -> 
     return torch.where(mask_N, x_N.detach(), 0.0).sum() / max(counts.tokens, 1.0)
 
 
-def _resolve_impl(impl: str, logp_N: torch.Tensor):
-    """The kernel function for ``impl`` on these tensors, or None for the torch reference."""
-    if impl not in ("auto", "triton", "torch"):
-        raise ValueError(f"unknown loss.impl {impl!r}; valid: auto, triton, torch")
-    if impl == "torch" or (impl == "auto" and not logp_N.is_cuda):
-        return None
-    try:
-        kernel = getattr(importlib.import_module(KERNEL_MODULE), KERNEL_FN)
-    except (ImportError, AttributeError) as exc:
-        if impl == "triton":
-            raise RuntimeError(f"loss.impl=triton but {KERNEL_MODULE}.{KERNEL_FN} is unavailable: {exc}") from exc
-        return None
-    return kernel
-
-
 def policy_loss(logp_N: torch.Tensor, old_logp_N: torch.Tensor, seg_id_N: torch.Tensor, seg_traj_S: torch.Tensor,
                 counts: LossCounts, cfg: LossConfig, *, impl: Optional[str] = None,
                 **kwargs) -> tuple[torch.Tensor, dict]:
-    """The policy loss; the single dispatch point between the Triton kernel and the torch reference.
+    """The policy loss: the fused Triton kernel or :func:`policy_loss_torch`.
 
-    ``impl`` (default: ``$FASTCREDIT_LOSS_IMPL`` if set, else ``cfg.impl``): ``torch`` always runs :func:`policy_loss_torch`;
-    ``auto`` runs the kernel for CUDA tensors when it is installed; ``triton`` insists on
-    it. Keyword arguments are those of :func:`policy_loss_torch`.
+    ``impl`` (default: ``$FASTCREDIT_LOSS_IMPL`` if set, else ``cfg.impl``): ``torch`` always runs
+    the reference; ``auto`` runs the kernel for CUDA tensors when it is installed; ``triton``
+    insists on it. Keyword arguments are those of :func:`policy_loss_torch`.
     """
-    kernel = _resolve_impl(impl or os.environ.get(IMPL_ENV) or cfg.impl, logp_N)
+    kernel = pick_kernel(resolve(impl, cfg.impl), logp_N, KERNEL_MODULE, KERNEL_FN)
     fn = policy_loss_torch if kernel is None else kernel
     return fn(logp_N, old_logp_N, seg_id_N, seg_traj_S, counts, cfg, **kwargs)
+
+
+def linear_logprob(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, target_N: torch.Tensor,
+                   temperature: float = 1.0, impl: Optional[str] = None,
+                   configured: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logp_N, entropy_N)`` in fp32 of ``softmax(hidden_NH @ weight_VHᵀ / temperature)`` at ``target_N``.
+
+    hidden [N, H], weight [V, H] (an LM head, or a tied embedding: autograd adds the two
+    gradients), target [N] int; a target outside ``[0, V)`` gives logp 0. Differentiable
+    in hidden and weight. The fused kernel never writes the ``[N, V]`` logits; the torch
+    reference (``linear_logprob_naive``) does. ``impl`` / ``configured`` (``loss.impl``):
+    as for :func:`policy_loss`.
+    """
+    from fastcredit.kernels.linear_logprob.naive import linear_logprob_naive
+
+    kernel = pick_kernel(resolve(impl, configured), hidden_NH, LOGPROB_MODULE, LOGPROB_FN)
+    fn = linear_logprob_naive if kernel is None else kernel
+    return fn(hidden_NH, weight_VH, target_N, temperature)
 
 
 def value_loss(values_N: torch.Tensor, old_values_N: torch.Tensor, returns_N: torch.Tensor, seg_id_N: torch.Tensor,

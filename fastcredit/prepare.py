@@ -41,7 +41,7 @@ def format_observation(passages: list[tuple[str, str]]) -> str:
 
 def oracle_turns(example: QAExample, passages: dict) -> list[tuple[str, str]]:
     """(action, observation) pairs of a trajectory that searches each gold hop, then answers."""
-    from fastcredit.data.toyworld import oracle_actions
+    from fastcredit.data.toyqa import oracle_actions
 
     hops = example.metadata.get("hops", [])
     return [(action, format_observation([passages[pid] for pid in hops[t]["passage_ids"] if pid in passages])

@@ -11,7 +11,7 @@ import string
 import unicodedata
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 # An answer pair with no answer tag inside it: the innermost pairs, in order.
 _ANSWER_PAIR = re.compile(r"<answer>((?:(?!</?answer>).)*)</answer>", re.DOTALL)
@@ -181,8 +181,3 @@ def score_trajectory(
         "f1_format": lambda: f1_format_reward(f1, fmt, format_bonus),
     }[kind]()
     return Outcome(prediction, em, f1, fmt, float(reward))
-
-
-def score_batch(actions_B: Iterable[Sequence[str]], golds_B: Iterable, **kw) -> list[Outcome]:
-    """:func:`score_trajectory` over a batch (kept in Python: strings, not tensors)."""
-    return [score_trajectory(a, g, **kw) for a, g in zip(actions_B, golds_B)]

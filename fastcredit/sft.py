@@ -27,7 +27,7 @@ def oracle_token_turns(example: QAExample, tokenizer, observe: Observer,
                        rng: Optional[random.Random] = None) -> list[tuple[list[int], list[int]]]:
     """``(action ids, observation ids)`` per turn of the oracle trajectory
     (:func:`fastcredit.data.toyworld.oracle_actions`); the answer turn has no observation."""
-    from fastcredit.data.toyworld import oracle_actions
+    from fastcredit.data.toyqa import oracle_actions
 
     enc = lambda s: list(tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
     return [(enc(action), observe(query) if query is not None else []) for action, query in oracle_actions(example, rng)]

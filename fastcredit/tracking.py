@@ -1,4 +1,5 @@
-"""Per-step metrics: a compact console table, ``metrics.jsonl``, TensorBoard, optional wandb, and a PNG.
+"""Per-step metrics: a compact console table, ``metrics.jsonl``, TensorBoard, optional wandb, and a PNG;
+and the run folder's own files (:func:`archive_previous_run` moves an earlier run's aside).
 
 Only rank 0 writes. Every sink gets the same flat ``{name: float}`` dict; the console
 shows a fixed selection (:data:`CONSOLE_KEYS`) so a line stays readable, the files keep
@@ -12,6 +13,7 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Iterable, Optional
 
 # (metric key, column title, format)
@@ -22,6 +24,29 @@ CONSOLE_KEYS = (
     ("actor/clipfrac", "clip", "{:5.3f}"), ("actor/grad_norm", "|g|", "{:7.3f}"),
     ("tokens_per_s", "tok/s", "{:7.0f}"), ("time/step", "step s", "{:6.1f}"),
 )
+
+
+# What a run writes into its output folder (generated data such as the toy world and the
+# tiny tokenizer stays: it is keyed by what it was built from and reused).
+RUN_FILES = ("config.yaml", "metrics.jsonl", "curves.png", "checkpoints", "tensorboard", "wandb")
+
+
+def archive_previous_run(out_dir: str) -> Optional[str]:
+    """Move an earlier run's files out of the way of a fresh (not resumed) one; returns where, or None.
+
+    Appending to its metrics.jsonl would mix two runs in one curve, and its ``latest``
+    checkpoint would be what a crash of the new run resumes from. Nothing is deleted.
+    """
+    present = [n for n in RUN_FILES if os.path.exists(os.path.join(out_dir, n))]
+    if present in ([], ["config.yaml"]):  # a config alone: a run that stopped before its first step
+        return None
+    dest = os.path.join(out_dir, "previous", time.strftime("%Y%m%d-%H%M%S"))
+    while os.path.exists(dest):
+        dest += "_"
+    os.makedirs(dest)
+    for name in present:
+        os.replace(os.path.join(out_dir, name), os.path.join(dest, name))
+    return dest
 
 
 def write_line(text: str) -> None:

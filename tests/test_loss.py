@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fastcredit.loss
-from fastcredit.credit.config import LossConfig
+from fastcredit.loss_config import LossConfig
 from fastcredit.loss import AGG_MODES, LossCounts, loss_counts, policy_loss, policy_loss_torch, value_loss
 from fastcredit.rollout.trajectory import Turn, from_turns
 

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from fastcredit.data.tokenizer import build_tiny_tokenizer
-from fastcredit.data.toyworld import ToyWorldConfig, fact_sentence, generate_world, oracle_actions
+from fastcredit.data.toyqa import fact_sentence, oracle_actions
+from fastcredit.data.toyworld import ToyWorldConfig, generate_world
 from fastcredit.models.tiny import build_tiny_policy
 from fastcredit.rewards import score_trajectory
 from fastcredit.sft import _labelled_cross_entropy, sft_sequences, sft_train

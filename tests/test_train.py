@@ -111,7 +111,7 @@ def test_collapse_guard_rolls_back_then_stops(tmp_path):
 
 
 def test_a_fresh_run_moves_an_earlier_runs_files_aside(tmp_path):
-    from fastcredit.train import archive_previous_run
+    from fastcredit.tracking import archive_previous_run
 
     (tmp_path / "world").mkdir()
     (tmp_path / "world" / "corpus.jsonl").write_text("{}")
@@ -127,7 +127,7 @@ def test_a_fresh_run_moves_an_earlier_runs_files_aside(tmp_path):
 
 
 def test_prompt_sampler_reseed_changes_the_order_but_not_the_position():
-    from fastcredit.train import PromptSampler
+    from fastcredit.data.sampler import PromptSampler
 
     a, b = PromptSampler(50, seed=0), PromptSampler(50, seed=0)
     assert a.take(10) == b.take(10)

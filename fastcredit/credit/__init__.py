@@ -1,10 +1,18 @@
 """Credit assignment: outcome rewards and judge outputs in, per-turn / per-token advantages out.
 
-Pure tensor functions, chosen by name (METHODS.md §1-6)::
+Pure tensor functions, chosen by name (docs/methods.md §1-6)::
 
-    from fastcredit.credit import CreditInputs, compute_advantages
+    from fastcredit.credit import CreditInputs, compute_advantages, estimator_needs
     inputs = CreditInputs.from_batch(batch, reward_B, critic_label_S=..., values_N=...)
     result = compute_advantages(cfg.credit.estimator, inputs, cfg.credit)
+
+    types.py       TurnKind, CreditInputs, CreditResult, Needs (what an estimator needs)
+    registry.py    estimators by name, with their Needs; compute_advantages
+    segments.py    vectorised group / segment reductions and the discounted scan
+    grpo.py … pica.py   one estimator each; reference.py holds their loop-based references
+    dapo.py        DAPO dynamic sampling (which groups to drop, how many prompts to refill)
+    metrics.py     the advantage statistics every estimator reports
+    config.py      the ``credit.*`` config section (no torch)
 
 Names are imported lazily (PEP 562) so that ``fastcredit.credit.config``, which the
 config loader reads, stays free of torch.
@@ -14,10 +22,11 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "CreditInputs": "registry", "CreditResult": "registry", "ESTIMATORS": "registry", "REFERENCES": "registry",
-    "VALUE_MODEL_ESTIMATORS": "registry", "compute_advantages": "registry", "get_estimator": "registry",
-    "register_estimator": "registry", "estimator_names": "registry",
-    "CreditConfig": "config", "LossConfig": "config",
+    "CreditInputs": "types", "CreditResult": "types", "Needs": "types", "TurnKind": "types",
+    "ESTIMATORS": "registry", "REFERENCES": "registry", "compute_advantages": "registry",
+    "estimator_names": "registry", "estimator_needs": "registry", "get_estimator": "registry",
+    "register_estimator": "registry",
+    "CreditConfig": "config",
     "DynamicSamplingDecision": "dapo", "dynamic_sampling_step": "dapo", "take_groups": "dapo",
     "estimator_metrics": "metrics",
 }

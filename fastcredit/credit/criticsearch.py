@@ -1,4 +1,4 @@
-"""``criticsearch``: retrospective frozen critic, turn credit mixed with GRPO (METHODS.md §3).
+"""``criticsearch``: retrospective frozen critic, turn credit mixed with GRPO (docs/methods.md §3).
 
 Legend: S turns, B trajectories.
 
@@ -17,8 +17,9 @@ import torch
 
 from fastcredit.credit.config import CreditConfig
 from fastcredit.credit.grpo import group_metrics
-from fastcredit.credit.registry import SEARCH, CreditInputs, CreditResult, as_result_tensor, register_estimator
+from fastcredit.credit.registry import register_estimator
 from fastcredit.credit.segments import group_advantage, seg_sum
+from fastcredit.credit.types import CreditInputs, CreditResult, Needs, TurnKind, as_result_tensor
 
 
 def criticsearch_labels(inputs: CreditInputs, cfg: CreditConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,7 +29,7 @@ def criticsearch_labels(inputs: CreditInputs, cfg: CreditConfig) -> tuple[torch.
     turns of trajectories whose labels are used (all of them under ``outcome``).
     """
     traj_S = inputs.seg_traj_S
-    search_S = inputs.seg_kind_S.long() == SEARCH
+    search_S = inputs.seg_kind_S.long() == TurnKind.SEARCH
     ok_B = inputs.critic_ok_B.bool() if inputs.critic_ok_B is not None else torch.ones(inputs.B, dtype=torch.bool, device=traj_S.device)
     good_S = (inputs.critic_label_S.to(torch.float64) > 0.5).to(torch.float64)
     fallback_S = (inputs.em_B.to(torch.float64) > 0.5).to(torch.float64)[traj_S]
@@ -44,10 +45,9 @@ def criticsearch_labels(inputs: CreditInputs, cfg: CreditConfig) -> tuple[torch.
     return torch.where(scored_S, label_S, torch.zeros_like(label_S)), scored_S
 
 
-@register_estimator("criticsearch")
+@register_estimator("criticsearch", needs=Needs(judge="critic", inputs=("critic_label_S",)))
 def compute_criticsearch_advantage(inputs: CreditInputs, cfg: CreditConfig) -> CreditResult:
     """Eqs. 7-8 per turn: ``adv_S = α·A^a_S + (1 − α)·Â[seg_traj_S]`` ([S])."""
-    inputs.require("critic_label_S", who="criticsearch")
     c = cfg.criticsearch
     adv_B = group_advantage(inputs.reward_B, inputs.group_id_B, cfg.norm_by_std, cfg.eps)
     r_S, scored_S = criticsearch_labels(inputs, cfg)

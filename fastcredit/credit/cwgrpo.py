@@ -1,4 +1,4 @@
-"""``cwgrpo``: contribution-weighted GRPO (METHODS.md §4, papers/cw-grpo.txt).
+"""``cwgrpo``: contribution-weighted GRPO (docs/methods.md §4).
 
 Legend: S turns (rounds), B trajectories.
 
@@ -14,7 +14,7 @@ Switches: ``cwgrpo.alpha`` (``inf`` allowed), ``cwgrpo.all_zero`` (α = ∞ and 
 released code's ``p / max(Σp, 1e-6)``), ``cwgrpo.success_by`` (``reward``: ``R_i = 1``,
 taken as ``r_i ≥ 1``; ``advantage``: ``Â_i ≥ 0``, the released code).
 
-Where METHODS.md is silent: a success whose judge failed (``judge_ok_B = False``, or a
+Where the papers are silent: a success whose judge failed (``judge_ok_B = False``, or a
 NaN score on one of its non-final rounds) gets the uniform weights of Eq. 4, i.e. plain
 GRPO for that trajectory. The final round is the trajectory's last turn whatever its
 kind (an answer, or a truncated turn); invalid turns are rounds like search turns.
@@ -27,8 +27,9 @@ import torch
 
 from fastcredit.credit.config import CreditConfig
 from fastcredit.credit.grpo import group_metrics
-from fastcredit.credit.registry import CreditInputs, CreditResult, as_result_tensor, register_estimator
+from fastcredit.credit.registry import register_estimator
 from fastcredit.credit.segments import group_advantage, seg_max, seg_sum, turn_layout
+from fastcredit.credit.types import CreditInputs, CreditResult, Needs, as_result_tensor
 
 
 def cwgrpo_success(inputs: CreditInputs, cfg: CreditConfig, adv_B: torch.Tensor) -> torch.Tensor:
@@ -96,10 +97,9 @@ def _cwgrpo_metrics(inputs: CreditInputs, cfg: CreditConfig, c_S: torch.Tensor, 
     return metrics
 
 
-@register_estimator("cwgrpo")
+@register_estimator("cwgrpo", needs=Needs(judge="round_judge", inputs=("judge_u_S", "judge_v_S")))
 def compute_cwgrpo_advantage(inputs: CreditInputs, cfg: CreditConfig) -> CreditResult:
     """Eq. 5 per round: ``Â·c·(T − 1)`` on non-final rounds, ``Â`` on the final one ([S])."""
-    inputs.require("judge_u_S", "judge_v_S", who="cwgrpo")
     adv_B = group_advantage(inputs.reward_B, inputs.group_id_B, cfg.norm_by_std, cfg.eps)
     traj_S = inputs.seg_traj_S
     T_B, _, _, final_S = turn_layout(traj_S, inputs.B)

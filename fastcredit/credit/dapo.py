@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling: which groups to drop, how many prompts to refill (METHODS.md §5).
+"""DAPO's dynamic sampling: which groups to drop, how many prompts to refill (docs/methods.md §8).
 
 Legend: B trajectories, G groups.
 
@@ -10,7 +10,7 @@ round and :func:`take_groups` to cut the accumulated groups to the target (veRL
 keeps the first ones in arrival order). The other DAPO pieces live in the loss:
 separate ``loss.clip_low`` / ``loss.clip_high`` and ``loss.agg_mode = token-mean``.
 
-Where METHODS.md is silent: a group of one counts as "all rewards equal" and is
+Where the papers are silent: a group of one counts as "all rewards equal" and is
 dropped (veRL keeps it; its advantage is 0 either way). The refill request is the
 number of missing groups divided by the share of groups that survived so far
 (rounded up), at least the missing count and at most one full batch; when no

@@ -1,11 +1,12 @@
-"""``grpo``: the Search-R1 GRPO baseline (METHODS.md §1).
+"""``grpo``: the Search-R1 GRPO baseline (docs/methods.md §1).
 
 Legend: S turns, B trajectories.
 """
 from __future__ import annotations
 
 from fastcredit.credit.config import CreditConfig
-from fastcredit.credit.registry import CreditInputs, CreditResult, as_result_tensor, register_estimator
+from fastcredit.credit.registry import register_estimator
+from fastcredit.credit.types import CreditInputs, CreditResult, as_result_tensor
 from fastcredit.credit.segments import degenerate_groups, group_advantage
 
 

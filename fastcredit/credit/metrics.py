@@ -15,13 +15,13 @@ Each estimator adds its own: ``degenerate_group_frac`` (group-based ones),
 ``good_turn_frac`` (criticsearch: search turns labelled Good; cwgrpo: judged rounds
 with ``p = 1``), ``critic_failure_rate`` (criticsearch), ``weight_entropy`` and
 ``judge_failure_rate`` (cwgrpo), ``demo_token_frac`` and ``masked_token_frac``
-(proceed), ``step_reward_mean`` (pica), ``value_mean`` (ppo).
+(proceed), ``step_reward_mean`` (pica).
 """
 from __future__ import annotations
 
 import torch
 
-from fastcredit.credit.registry import TURN_KINDS, CreditInputs, CreditResult
+from fastcredit.credit.types import TURN_KINDS, CreditInputs, CreditResult
 
 ZERO_ADV_TOL = 1e-8
 

@@ -1,4 +1,4 @@
-"""``pica``: pivot-based PRM step rewards + PPO (METHODS.md §6, papers/pica.txt).
+"""``pica``: pivot-based PRM step rewards + PPO (docs/methods.md §6).
 
 Legend: N packed tokens, A action tokens, S turns, B trajectories.
 
@@ -32,7 +32,7 @@ import torch
 
 from fastcredit.credit.config import CreditConfig
 from fastcredit.credit.ppo import kl_reward_N, outcome_on_final_turn, token_level_gae, turn_row_ends
-from fastcredit.credit.registry import CreditInputs, CreditResult, as_result_tensor, register_estimator
+from fastcredit.credit.registry import register_estimator
 from fastcredit.credit.segments import (
     discounted_suffix_sum,
     gather_turns,
@@ -42,6 +42,7 @@ from fastcredit.credit.segments import (
     turn_layout,
     whiten,
 )
+from fastcredit.credit.types import CreditInputs, CreditResult, Needs, as_result_tensor
 
 
 def pica_step_rewards(inputs: CreditInputs, cfg: CreditConfig) -> torch.Tensor:
@@ -82,10 +83,9 @@ def _turn_level(inputs: CreditInputs, cfg: CreditConfig, R_S: torch.Tensor, metr
                         turn_S={"turn_reward": R_S, "delta": delta_S}, metrics=metrics)
 
 
-@register_estimator("pica")
+@register_estimator("pica", needs=Needs(judge="prm", value_model=True, inputs=("values_N",)))
 def compute_pica_advantage(inputs: CreditInputs, cfg: CreditConfig) -> CreditResult:
     """PPO with PiCA turn rewards; token-level GAE (``adv_N``) or turn-level GAE (``adv_S``)."""
-    inputs.require("values_N", who="pica")
     step_S = pica_step_rewards(inputs, cfg)
     R_S = pica_turn_rewards(inputs, cfg, step_S)
     metrics = {"step_reward_mean": float(step_S.mean())} if inputs.S else {}

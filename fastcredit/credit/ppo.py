@@ -1,4 +1,4 @@
-"""``ppo``: the Search-R1 PPO baseline, GAE over action tokens only (METHODS.md §2).
+"""``ppo``: the Search-R1 PPO baseline, GAE over action tokens only (docs/methods.md §2).
 
 Legend: N packed tokens, A action tokens (observations removed), S turns, B trajectories.
 
@@ -10,7 +10,7 @@ Legend: N packed tokens, A action tokens (observations removed), S turns, B traj
 
 Observation tokens are skipped by the recursion: the successor of a turn's last action
 token is the next turn's first action token. ``values_N[j]`` is the value of the state
-in which token ``j`` is generated (veRL's convention). Where METHODS.md is silent:
+in which token ``j`` is generated (veRL's convention). Where the papers are silent:
 the KL in the reward is veRL's default ``kl`` estimator, ``logπold − logπref`` per token
 (k1); ``credit.whiten_advantages`` (default off) whitens the advantages over the batch's
 action tokens as veRL's GAE does (the returns stay unwhitened).
@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from fastcredit.credit.config import CreditConfig
-from fastcredit.credit.registry import CreditInputs, CreditResult, as_result_tensor, register_estimator
+from fastcredit.credit.registry import register_estimator
 from fastcredit.credit.segments import (
     discounted_suffix_sum,
     gather_turns,
@@ -38,6 +38,7 @@ from fastcredit.credit.segments import (
     turn_layout,
     whiten,
 )
+from fastcredit.credit.types import CreditInputs, CreditResult, Needs, as_result_tensor
 
 
 def outcome_on_final_turn(inputs: CreditInputs, value_B: torch.Tensor) -> torch.Tensor:
@@ -126,8 +127,7 @@ def token_level_gae(inputs: CreditInputs, cfg: CreditConfig, R_S: torch.Tensor, 
                         metrics=metrics)
 
 
-@register_estimator("ppo")
+@register_estimator("ppo", needs=Needs(value_model=True, inputs=("values_N",)))
 def compute_ppo_advantage(inputs: CreditInputs, cfg: CreditConfig) -> CreditResult:
     """Outcome on the last action token (optionally − β·KL per token); GAE over action tokens ([N])."""
-    inputs.require("values_N", who="ppo")
     return token_level_gae(inputs, cfg, outcome_on_final_turn(inputs, inputs.reward_B), {}, {})

@@ -1,4 +1,4 @@
-"""``proceed``: ProCeedRL's loss weights over GRPO or DAPO group advantages (METHODS.md §5).
+"""``proceed``: ProCeedRL's loss weights over GRPO or DAPO group advantages (docs/methods.md §5).
 
 Legend: N packed tokens, S turns, B trajectories.
 
@@ -13,10 +13,9 @@ estimator returns the group advantage per turn and two per-token masks the loss 
 * ``phi_mask_N``: demonstration tokens of successful trajectories, which the loss
   weights by CHORD-φ ``p·(1 − p)``, ``p = exp(logπθ)`` detached, when
   ``proceed.chord_phi``. φ needs the *current* policy's probabilities, so the loss,
-  not the estimator, evaluates it (:func:`chord_phi`, used by ``fastcredit.loss``);
-  on-policy tokens keep weight 1.
-* ``weight_N`` stays None (1 on every counted token); ``CreditResult.token_weights``
-  materialises the full weight ``mask · φ`` for logging.
+  not the estimator, evaluates it (``fastcredit.loss.chord_phi``); on-policy tokens
+  keep weight 1.
+* ``weight_N`` stays None (1 on every counted token).
 
 ``proceed.base = dapo`` keeps the same group advantage (DAPO's is GRPO's) and also
 masks every token of a group whose rewards are all equal: DAPO's dynamic sampling
@@ -30,14 +29,9 @@ import torch
 
 from fastcredit.credit.config import CreditConfig
 from fastcredit.credit.grpo import group_metrics
-from fastcredit.credit.registry import CreditInputs, CreditResult, as_result_tensor, register_estimator
+from fastcredit.credit.registry import register_estimator
 from fastcredit.credit.segments import degenerate_groups, gather_turns, group_advantage
-
-
-def chord_phi(logp_N: torch.Tensor) -> torch.Tensor:
-    """CHORD-φ ``p·(1 − p)`` with ``p = exp(logp)``, detached (no gradient flows through the weight)."""
-    p = torch.exp(logp_N.detach())
-    return p * (1.0 - p)
+from fastcredit.credit.types import CreditInputs, CreditResult, Needs, as_result_tensor
 
 
 # Per-turn flag bits, gathered once per token through seg_id_N.
@@ -66,10 +60,9 @@ def proceed_token_masks(inputs: CreditInputs, cfg: CreditConfig) -> tuple[torch.
     return mask_N, phi_N
 
 
-@register_estimator("proceed")
+@register_estimator("proceed", needs=Needs(proceed_rollout=True, inputs=("demo_mask_N",)))
 def compute_proceed_advantage(inputs: CreditInputs, cfg: CreditConfig) -> CreditResult:
     """Group advantage per turn ([S]) plus ProCeedRL's per-token loss mask and CHORD-φ flags ([N])."""
-    inputs.require("demo_mask_N", who="proceed")
     adv_B = group_advantage(inputs.reward_B, inputs.group_id_B, cfg.norm_by_std, cfg.eps)
     mask_N, phi_N = proceed_token_masks(inputs, cfg)
     metrics = group_metrics(inputs)

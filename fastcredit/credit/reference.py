@@ -1,4 +1,4 @@
-"""Loop-based references of the six estimators: METHODS.md's equations, line by line.
+"""Loop-based references of the six estimators: the equations of docs/methods.md, line by line.
 
 Legend: N packed tokens, S turns, B trajectories.
 
@@ -16,7 +16,8 @@ import math
 import torch
 
 from fastcredit.credit.config import CreditConfig
-from fastcredit.credit.registry import REFERENCES, SEARCH, CreditInputs, CreditResult, register_estimator
+from fastcredit.credit.registry import REFERENCES, register_estimator
+from fastcredit.credit.types import CreditInputs, CreditResult, TurnKind
 
 
 def _f32(values: list) -> torch.Tensor:
@@ -79,7 +80,7 @@ def criticsearch_reference(inp: CreditInputs, cfg: CreditConfig) -> CreditResult
         ok = True if inp.critic_ok_B is None else bool(inp.critic_ok_B[i])
         r = {}
         for s in turns:
-            if int(inp.seg_kind_S[s]) != SEARCH:
+            if int(inp.seg_kind_S[s]) != TurnKind.SEARCH:
                 r[s] = 0.0  # answer, invalid and truncated turns are not scored
             elif ok:
                 r[s] = 1.0 if float(inp.critic_label_S[s]) > 0.5 else 0.0  # Eq. 6

@@ -1,167 +1,60 @@
-"""The estimator interface: inputs, result, and the registry of estimators by name.
+"""The registry of estimators by name, with what each one needs.
 
-Legend (shape suffixes):
-    N  packed response tokens of the batch (observations included)
-    S  turns ("segments"), trajectory-major and in order
-    B  trajectories
+    @register_estimator("cwgrpo", needs=Needs(judge="round_judge", inputs=("judge_u_S", "judge_v_S")))
+    def compute_cwgrpo_advantage(inputs: CreditInputs, cfg: CreditConfig) -> CreditResult: ...
 
-``compute_advantages("cwgrpo", inputs, cfg)`` runs one estimator and attaches its
-logging metrics. Credit never imports the rollout package: :meth:`CreditInputs.from_batch`
-reads a trajectory batch's tensors by attribute name.
+    result = compute_advantages("cwgrpo", inputs, cfg)
+
+Every module of this package is imported once (:func:`load_estimators`), so an estimator
+registers itself by living here: adding one touches its own file, its config switches
+and its tests. :func:`estimator_needs` is the one table the judge phase, model
+construction and config validation read.
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field, fields
+import os
+import pkgutil
 from typing import Callable, Optional
 
-import torch
-
 from fastcredit.credit.config import CreditConfig
-
-SEARCH, ANSWER, INVALID, TRUNCATED = 0, 1, 2, 3  # TurnKind codes of the trajectory data model
-TURN_KINDS = ("search", "answer", "invalid", "truncated")
-
-_LAYOUT_FIELDS = ("group_id_B", "em_B", "seg_start_S", "seg_action_len_S", "seg_traj_S", "seg_kind_S",
-                  "seg_id_N", "demo_mask_N")
-
-
-@dataclass
-class CreditInputs:
-    """Everything an estimator may read; the judge / model outputs are optional.
-
-    Layout tensors follow ``fastcredit.rollout.trajectory.TrajectoryBatch``. Per-turn
-    judge outputs are ignored where the method does not use them (e.g. critic labels
-    of non-search turns, CW-GRPO scores of final turns or of failed trajectories), so
-    they may hold anything there, NaN included.
-    """
-
-    reward_B: torch.Tensor  # float [B] outcome reward r_i (fastcredit.rewards)
-    group_id_B: torch.Tensor  # int64 [B] prompt group
-    em_B: torch.Tensor  # float [B] exact match (0/1); the critic's fallback label
-    seg_start_S: torch.Tensor  # int64 [S] packed offset of the turn's first token
-    seg_action_len_S: torch.Tensor  # int64 [S] action tokens of the turn
-    seg_traj_S: torch.Tensor  # int64 [S] trajectory of the turn (non-decreasing)
-    seg_kind_S: torch.Tensor  # int8 [S] SEARCH / ANSWER / INVALID / TRUNCATED
-    seg_id_N: torch.Tensor  # int32 [N] turn of an action token, -1 on observation tokens
-    demo_mask_N: Optional[torch.Tensor] = None  # bool [N] ProCeedRL refined (demonstration) tokens
-    critic_label_S: Optional[torch.Tensor] = None  # float [S] CriticSearch r^a: 1 Good, 0 Bad (search turns)
-    critic_ok_B: Optional[torch.Tensor] = None  # bool [B] the critic's answer parsed after the retries
-    judge_u_S: Optional[torch.Tensor] = None  # float [S] CW-GRPO retrieval utility u (non-final rounds)
-    judge_v_S: Optional[torch.Tensor] = None  # float [S] CW-GRPO reasoning correctness v
-    judge_ok_B: Optional[torch.Tensor] = None  # bool [B] the CW-GRPO judge answered for every round
-    prm_f0_B: Optional[torch.Tensor] = None  # float [B] PiCA f(0): success probability from the question
-    prm_f_S: Optional[torch.Tensor] = None  # float [S] PiCA f(t) after turn t
-    prm_hazard_S: Optional[torch.Tensor] = None  # float [S] PiCA hazard h_t (pica.step_reward=linear)
-    values_N: Optional[torch.Tensor] = None  # float [N] V of the state each token is generated in
-    old_logp_N: Optional[torch.Tensor] = None  # float [N] behaviour-policy log-probs (KL in reward)
-    ref_logp_N: Optional[torch.Tensor] = None  # float [N] reference-policy log-probs (KL in reward)
-
-    @property
-    def B(self) -> int:
-        return int(self.reward_B.numel())
-
-    @property
-    def S(self) -> int:
-        return int(self.seg_traj_S.numel())
-
-    @property
-    def N(self) -> int:
-        return int(self.seg_id_N.numel())
-
-    @classmethod
-    def from_batch(cls, batch, reward_B, **extra) -> "CreditInputs":
-        """Inputs from a ``TrajectoryBatch`` (read by attribute name) plus judge / model tensors."""
-        layout = {name: getattr(batch, name) for name in _LAYOUT_FIELDS}
-        return cls(reward_B=torch.as_tensor(reward_B, dtype=torch.float32), **layout, **extra)
-
-    def require(self, *names: str, who: str) -> None:
-        """Raise a ValueError naming every missing input of estimator ``who``."""
-        missing = [n for n in names if getattr(self, n) is None]
-        if missing:
-            raise ValueError(f"estimator {who!r} needs {', '.join(missing)} in its CreditInputs")
-
-    def validate(self) -> None:
-        """Check the shapes of every given tensor against B, S and N."""
-        sizes = {"B": self.B, "S": self.S, "N": self.N}
-        for f in fields(self):
-            t = getattr(self, f.name)
-            if t is None:
-                continue
-            want = sizes[f.name.rsplit("_", 1)[1]]
-            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != want:
-                shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"CreditInputs.{f.name} must have shape [{want}], got {shape}")
-        if self.S and bool((self.seg_traj_S[1:] < self.seg_traj_S[:-1]).any()):
-            raise ValueError("CreditInputs.seg_traj_S must be non-decreasing (turns trajectory-major)")
-
-
-@dataclass
-class CreditResult:
-    """What an estimator returns.
-
-    Exactly one of ``adv_S`` (one advantage per turn; the loss gathers it through
-    ``seg_id_N``, so no per-token tensor is written) and ``adv_N`` (per token, 0 on
-    observation tokens) is set. Tensors are float32, computed in float64.
-    """
-
-    adv_S: Optional[torch.Tensor] = None  # float32 [S]
-    adv_N: Optional[torch.Tensor] = None  # float32 [N]
-    returns_N: Optional[torch.Tensor] = None  # float32 [N] value targets (ppo, pica); 0 on observations
-    weight_N: Optional[torch.Tensor] = None  # float32 [N] static per-token loss weight; None: all 1
-    loss_mask_N: Optional[torch.Tensor] = None  # bool [N] tokens that count in the loss; None: action tokens
-    phi_mask_N: Optional[torch.Tensor] = None  # bool [N] tokens the loss weights by CHORD-phi p(1 - p)
-    turn_S: dict = field(default_factory=dict)  # per-turn intermediates for logging / tests (float64)
-    metrics: dict = field(default_factory=dict)  # name -> float, for logging
-
-    def token_advantages(self, seg_id_N: torch.Tensor) -> torch.Tensor:
-        """float32 ``[N]`` advantages (0 on observation tokens), for logging and tests."""
-        if self.adv_N is not None:
-            return self.adv_N
-        from fastcredit.credit.segments import gather_turns
-
-        return gather_turns(self.adv_S.to(torch.float32), seg_id_N)
-
-    def token_weights(self, logp_N: torch.Tensor, seg_id_N: torch.Tensor) -> torch.Tensor:
-        """float32 ``[N]`` loss weight of every token as the loss applies it (0 where not counted).
-
-        ``weight_N`` (1 if None) times CHORD-φ ``p(1 − p)``, ``p = exp(logp_N)``, on ``phi_mask_N``.
-        """
-        w = torch.ones_like(logp_N, dtype=torch.float32) if self.weight_N is None else self.weight_N.clone()
-        if self.phi_mask_N is not None:
-            from fastcredit.credit.proceed import chord_phi
-
-            w = torch.where(self.phi_mask_N, w * chord_phi(logp_N.to(torch.float32)), w)
-        counted_N = self.loss_mask_N if self.loss_mask_N is not None else seg_id_N >= 0
-        return torch.where(counted_N, w, 0.0)
-
+from fastcredit.credit.metrics import estimator_metrics
+from fastcredit.credit.types import CreditInputs, CreditResult, Needs
 
 Estimator = Callable[[CreditInputs, CreditConfig], CreditResult]
 ESTIMATORS: dict[str, Estimator] = {}
 REFERENCES: dict[str, Estimator] = {}
-VALUE_MODEL_ESTIMATORS = ("ppo", "pica")  # need values_N and train a value model on returns_N
+NEEDS: dict[str, Needs] = {}
+_loaded = False
 
 
-def register_estimator(name: str, registry: Optional[dict] = None):
-    """Decorator: ``@register_estimator("grpo")`` adds ``compute_grpo_advantage`` to the registry."""
+def register_estimator(name: str, registry: Optional[dict] = None, *, needs: Optional[Needs] = None):
+    """Decorator: ``@register_estimator("grpo")`` adds ``compute_grpo_advantage`` to the registry.
+
+    ``registry=REFERENCES`` registers a loop-based reference instead; ``needs`` is declared
+    with the vectorised estimator (default: nothing beyond the batch layout).
+    """
     table = ESTIMATORS if registry is None else registry
 
     def wrap(fn: Estimator) -> Estimator:
         if name in table:
             raise ValueError(f"estimator {name!r} is already registered")
         table[name] = fn
+        if table is ESTIMATORS:
+            NEEDS[name] = needs or Needs()
         return fn
 
     return wrap
 
 
-_ESTIMATOR_MODULES = ("grpo", "ppo", "criticsearch", "cwgrpo", "proceed", "pica", "reference")
-
-
 def load_estimators() -> None:
-    """Import the estimator modules, whose decorators fill ESTIMATORS and REFERENCES."""
-    for module in _ESTIMATOR_MODULES:
-        importlib.import_module(f"fastcredit.credit.{module}")
+    """Import every module of the package once; their decorators fill ESTIMATORS, REFERENCES and NEEDS."""
+    global _loaded
+    if _loaded:
+        return
+    for module in pkgutil.iter_modules([os.path.dirname(__file__)]):
+        importlib.import_module(f"fastcredit.credit.{module.name}")
+    _loaded = True
 
 
 def estimator_names() -> list[str]:
@@ -170,25 +63,28 @@ def estimator_names() -> list[str]:
     return sorted(ESTIMATORS)
 
 
-def get_estimator(name: str, reference: bool = False) -> Estimator:
-    """The vectorised estimator ``name`` (or its loop-based reference); unknown names list the valid ones."""
+def _lookup(table: dict, name: str):
     load_estimators()
-    table = REFERENCES if reference else ESTIMATORS
     if name not in table:
         raise KeyError(f"unknown credit estimator {name!r}; valid: {', '.join(sorted(table))}")
     return table[name]
 
 
+def get_estimator(name: str, reference: bool = False) -> Estimator:
+    """The vectorised estimator ``name`` (or its loop-based reference); unknown names list the valid ones."""
+    return _lookup(REFERENCES if reference else ESTIMATORS, name)
+
+
+def estimator_needs(name: str) -> Needs:
+    """What estimator ``name`` needs (judge kind, value model, ProCeed rollouts, inputs)."""
+    return _lookup(NEEDS, name)
+
+
 def compute_advantages(name: str, inputs: CreditInputs, cfg: CreditConfig, reference: bool = False) -> CreditResult:
     """Validate the inputs, run estimator ``name`` and merge the common logging metrics into ``result.metrics``."""
-    from fastcredit.credit.metrics import estimator_metrics
-
+    estimator = get_estimator(name, reference)
     inputs.validate()
-    result = get_estimator(name, reference)(inputs, cfg)
+    inputs.require(*NEEDS[name].inputs, who=name)
+    result = estimator(inputs, cfg)
     result.metrics = {**estimator_metrics(inputs, result), **result.metrics}
     return result
-
-
-def as_result_tensor(x: torch.Tensor) -> torch.Tensor:
-    """Estimators compute in float64 and hand float32 to the loss."""
-    return x.to(torch.float32)

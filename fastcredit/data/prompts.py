@@ -1,6 +1,7 @@
 """The training prompt (Search-R1's ``make_prefix``, CriticSearch's Prompt 1) and chat wrapping.
 
     text = apply_chat_template(tokenizer, build_prompt("who wrote hamlet"), enabled="auto")
+    ids = prompt_ids(tokenizer, ["who wrote hamlet"], "searchr1", chat_template=False)
 
 Base models get the raw prompt; instruct models get it as one user message followed by
 the generation prompt, as Search-R1's veRL dataset does when the tokenizer has a chat
@@ -8,7 +9,7 @@ template.
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Sequence, Union
 
 # NOTE: verbatim from Search-R1's scripts/data_process/nq_search.py (template_type "base"),
 # typo "as your want" and the trailing newline included: the released datasets and
@@ -68,3 +69,13 @@ def apply_chat_template(tokenizer, prompt: str, enabled: Union[bool, str] = "aut
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
     )
+
+
+def prompt_ids(tokenizer, questions: Sequence[str], template: str = "searchr1",
+               chat_template: Union[bool, str] = False) -> list[list[int]]:
+    """The policy's input ids for each question: ``template``'s prompt, chat-wrapped when configured."""
+    out = []
+    for q in questions:
+        text = apply_chat_template(tokenizer, build_prompt(q, template), enabled=chat_template)
+        out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return out

@@ -10,7 +10,7 @@ whose names differ from another's by one letter ("Varo Keltan" / "Varo Keltin") 
 passages of their own, and *mention* passages that name an entity next to other entities
 without stating any relation. Questions take 1 to 3 hops; each hop carries its gold
 sub-query, sub-answer and the passages that state the fact (PiCA's pivot labels and the
-oracle judges' ground truth: see ``gold_fact_passages`` and ``hops_found``).
+oracle judges' ground truth: ``fastcredit.data.toyqa``, where the questions are made and read).
 
 Files written by ``write_world`` (the same config gives byte-identical files):
 
@@ -29,14 +29,15 @@ import dataclasses
 import json
 import os
 import random
-import re
 import sys
-from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple, Optional, Union
+from dataclasses import dataclass
+from typing import Iterable, Optional
 
 from fastcredit.data.loaders import (
     DataError, QAExample, atomic_output, iter_corpus, load_toyworld, write_searchr1_parquet,
 )
+from fastcredit.data.toyqa import RELATIONS, make_questions, question_hops
+from fastcredit.fields import opt
 
 TYPES = ("person", "city", "country", "university", "company", "band")
 DATA_SOURCE = "toyworld"
@@ -44,75 +45,20 @@ DATA_SOURCE = "toyworld"
 
 @dataclass
 class ToyWorldConfig:
-    seed: int = field(default=0, metadata={"help": "generator seed; the same config gives byte-identical files"})
-    num_people: int = field(default=700, metadata={"help": "people, before twins (birthplace, university, maybe a spouse)"})
-    num_cities: int = field(default=120, metadata={"help": "cities (each lies in a country)"})
-    num_countries: int = field(default=30, metadata={"help": "countries (each has one of its cities as capital)"})
-    num_universities: int = field(default=60, metadata={"help": "universities (each located in a city)"})
-    num_companies: int = field(default=250, metadata={"help": "companies, before twins (founder and headquarters)"})
-    num_bands: int = field(default=80, metadata={"help": "bands, before twins (lead singer and home city)"})
-    twin_fraction: float = field(default=0.3, metadata={
-        "help": "share of people, companies and bands given a one-letter-apart twin entity (a distractor)"})
-    distractor_fraction: float = field(default=0.25, metadata={
-        "help": "share of entities given an extra passage that names other entities but states no relation"})
-    married_fraction: float = field(default=0.5, metadata={"help": "share of people who are married (in pairs)"})
-    num_questions: int = field(default=1000, metadata={"help": "questions generated, train and test together"})
-    max_hops: int = field(default=3, metadata={"help": "longest question chain (1 to 3); hop counts are drawn uniformly"})
-    test_fraction: float = field(default=0.1, metadata={"help": "share of the questions in the test split"})
+    seed: int = opt(0, "generator seed; the same config gives byte-identical files")
+    num_people: int = opt(700, "people, before twins (birthplace, university, maybe a spouse)")
+    num_cities: int = opt(120, "cities (each lies in a country)")
+    num_countries: int = opt(30, "countries (each has one of its cities as capital)")
+    num_universities: int = opt(60, "universities (each located in a city)")
+    num_companies: int = opt(250, "companies, before twins (founder and headquarters)")
+    num_bands: int = opt(80, "bands, before twins (lead singer and home city)")
+    twin_fraction: float = opt(0.3, "share of people, companies and bands given a one-letter-apart twin entity (a distractor)")
+    distractor_fraction: float = opt(0.25, "share of entities given an extra passage that names other entities but states no relation")
+    married_fraction: float = opt(0.5, "share of people who are married (in pairs)")
+    num_questions: int = opt(1000, "questions generated, train and test together")
+    max_hops: int = opt(3, "longest question chain (1 to 3); hop counts are drawn uniformly")
+    test_fraction: float = opt(0.1, "share of the questions in the test split")
 
-
-class Relation(NamedTuple):
-    subject: str  # entity type
-    object: str
-    sentence: str  # how a passage states it
-    query: str  # the gold sub-query that finds it
-
-
-RELATIONS = {
-    "born_in": Relation("person", "city", "{s} was born in {o}.", "{s} place of birth"),
-    "studied_at": Relation("person", "university", "{s} studied at {o}.", "{s} university"),
-    "spouse": Relation("person", "person", "{s} is married to {o}.", "{s} spouse"),
-    "country": Relation("city", "country", "{s} is a city in {o}.", "{s} country"),
-    "capital": Relation("country", "city", "The capital of {s} is {o}.", "{s} capital"),
-    "located_in": Relation("university", "city", "{s} is located in {o}.", "{s} location"),
-    "founded_by": Relation("company", "person", "{s} was founded by {o}.", "{s} founder"),
-    "headquartered_in": Relation("company", "city", "{s} has its headquarters in {o}.", "{s} headquarters"),
-    "lead_singer": Relation("band", "person", "The lead singer of {s} is {o}.", "{s} lead singer"),
-    "formed_in": Relation("band", "city", "{s} was formed in {o}.", "{s} formed in"),
-}
-
-# (relation chain, question). The chain starts at the entity named {x}; its end is the answer.
-QUESTIONS = (
-    (("born_in",), "Where was {x} born?"),
-    (("studied_at",), "Which university did {x} attend?"),
-    (("spouse",), "Who is {x} married to?"),
-    (("country",), "Which country is {x} in?"),
-    (("capital",), "What is the capital of {x}?"),
-    (("located_in",), "In which city is {x} located?"),
-    (("founded_by",), "Who founded {x}?"),
-    (("headquartered_in",), "Where does {x} have its headquarters?"),
-    (("lead_singer",), "Who is the lead singer of {x}?"),
-    (("formed_in",), "In which city was {x} formed?"),
-    (("born_in", "country"), "In which country was {x} born?"),
-    (("studied_at", "located_in"), "In which city is the university that {x} attended?"),
-    (("spouse", "born_in"), "Where was the spouse of {x} born?"),
-    (("spouse", "studied_at"), "Which university did the spouse of {x} attend?"),
-    (("located_in", "country"), "In which country is {x} located?"),
-    (("founded_by", "born_in"), "Where was the founder of {x} born?"),
-    (("founded_by", "studied_at"), "Which university did the founder of {x} attend?"),
-    (("headquartered_in", "country"), "In which country does {x} have its headquarters?"),
-    (("lead_singer", "born_in"), "Where was the lead singer of {x} born?"),
-    (("formed_in", "country"), "In which country was {x} formed?"),
-    (("born_in", "country", "capital"), "What is the capital of the country where {x} was born?"),
-    (("founded_by", "born_in", "country"), "In which country was the founder of {x} born?"),
-    (("headquartered_in", "country", "capital"),
-     "What is the capital of the country where {x} has its headquarters?"),
-    (("lead_singer", "born_in", "country"), "In which country was the lead singer of {x} born?"),
-    (("lead_singer", "studied_at", "located_in"),
-     "In which city is the university attended by the lead singer of {x}?"),
-    (("spouse", "born_in", "country"), "In which country was the spouse of {x} born?"),
-    (("studied_at", "located_in", "country"), "In which country is the university that {x} attended?"),
-)
 
 # Facts stated together in one passage about the subject; one passage per tuple.
 _PASSAGE_GROUPS = {
@@ -317,51 +263,6 @@ def _make_passages(cfg: ToyWorldConfig, ents: dict, rng: random.Random) -> tuple
     return passages, {k: sorted(set(v), key=int) for k, v in facts.items()}
 
 
-def _walk(ents: dict, facts: dict, start: str, chain: tuple) -> list:
-    """The hop records of ``chain`` from ``start`` (which ``_reaches`` its end)."""
-    hops, cur = [], start
-    for rel in chain:
-        nxt = ents[cur]["relations"][rel]
-        hops.append({"query": RELATIONS[rel].query.format(s=cur), "answer": nxt, "aliases": list(ents[nxt]["aliases"]),
-                     "subject": cur, "relation": rel, "passage_ids": list(facts[f"{cur}|{rel}"])})
-        cur = nxt
-    return hops
-
-
-def _reaches(ents: dict, start: str, chain: tuple) -> bool:
-    """Whether every relation of ``chain`` exists from ``start`` (not everyone is married)."""
-    cur = start
-    for rel in chain:
-        cur = ents[cur]["relations"].get(rel)
-        if cur is None:
-            return False
-    return True
-
-
-def _make_questions(cfg: ToyWorldConfig, ents: dict, facts: dict, rng: random.Random) -> list:
-    by_type = {t: [n for n, e in ents.items() if e["type"] == t] for t in TYPES}
-    # Every askable (template, subject) pair, shuffled per hop count: drawing without
-    # replacement keeps questions distinct and fails at once when too few exist.
-    pools = {}
-    for h in range(1, cfg.max_hops + 1):
-        pool = [(chain, template, x) for chain, template in QUESTIONS if len(chain) == h
-                for x in by_type[RELATIONS[chain[0]].subject] if _reaches(ents, x, chain)]
-        rng.shuffle(pool)
-        pools[h] = pool
-    available = sum(len(p) for p in pools.values())
-    if available < cfg.num_questions:
-        raise ValueError(f"the world is too small for {cfg.num_questions} distinct questions "
-                         f"(it has {available}); add entities or ask for fewer questions")
-    out = []
-    for _ in range(cfg.num_questions):
-        # Hop count first, uniformly among those left: questions spread evenly over 1..max_hops.
-        chain, template, x = pools[rng.choice([h for h, p in pools.items() if p])].pop()
-        hops = _walk(ents, facts, x, chain)
-        answer = hops[-1]["answer"]
-        out.append((template.format(x=x), [answer] + ents[answer]["aliases"], hops))
-    return out
-
-
 def _check_config(cfg: ToyWorldConfig) -> None:
     counts = ("num_people", "num_cities", "num_countries", "num_universities", "num_companies", "num_bands",
               "num_questions")
@@ -391,7 +292,7 @@ def generate_world(cfg: Optional[ToyWorldConfig] = None) -> ToyWorld:
     rng = random.Random(cfg.seed)
     ents = _make_entities(cfg, rng)
     passages, facts = _make_passages(cfg, ents, rng)
-    questions = _make_questions(cfg, ents, facts, rng)
+    questions = make_questions(cfg, ents, facts, rng)
     n_test = int(round(cfg.test_fraction * len(questions)))
     splits = {"train": questions[: len(questions) - n_test], "test": questions[len(questions) - n_test:]}
     examples = {
@@ -402,86 +303,10 @@ def generate_world(cfg: Optional[ToyWorldConfig] = None) -> ToyWorld:
     return ToyWorld(cfg, ents, passages, facts, examples["train"], examples["test"])
 
 
-def _hops(question: Union[QAExample, dict]) -> list:
-    metadata = question.metadata if isinstance(question, QAExample) else question.get("metadata") or {}
-    return metadata.get("hops") or []
-
-
-def gold_fact_passages(question: Union[QAExample, dict]) -> list[set[str]]:
-    """For each gold hop, the ids of the passages stating its fact (any one of them suffices)."""
-    return [set(map(str, h["passage_ids"])) for h in _hops(question)]
-
-
-def fact_sentence(hop: dict) -> str:
-    """The sentence in which a passage states ``hop``'s fact (``"X was founded by Y."``)."""
-    return RELATIONS[hop["relation"]].sentence.format(s=hop["subject"], o=hop["answer"])
-
-
-def oracle_actions(question: Union[QAExample, dict],
-                   rng: Optional[random.Random] = None) -> list[tuple[str, Optional[str]]]:
-    """``(action text, query)`` per turn of the oracle trajectory: each gold hop's sub-query, then the answer.
-
-    The answer turn's query is None. Each think first quotes the fact the last observation
-    gave (``<think> X was founded by Y. I need to find Y university.</think>``), as a
-    search agent that reads before it acts does. For a small policy this turns every
-    entity it must write into a copy of a span it has just read: the quoted sentence is
-    in the observation, and the next query or answer is in the quoted sentence. With
-    ``rng`` the think also restates the search 0 to 3 times, so turns vary in length.
-    Tag contents are space-padded as in Search-R1's prompt (``<search> query </search>``),
-    so an entity has the same tokens inside a tag as in the question and the passages.
-    """
-    hops = _hops(question)
-    golds = question.golden_answers if isinstance(question, QAExample) else question["golden_answers"]
-    out, read = [], ""
-    for hop in hops:
-        query = hop["query"]
-        again = " I search for it." * (rng.randint(0, 3) if rng is not None else 0)
-        out.append((f"<think>{read} I need to find {query}.{again}</think>\n<search> {query} </search>", query))
-        read = " " + fact_sentence(hop)
-    out.append((f"<think>{read} The answer is {golds[0]}.</think>\n<answer> {golds[0]} </answer>", None))
-    return out
-
-
-def hops_found(question: Union[QAExample, dict], retrieved_ids: Iterable) -> list[bool]:
-    """For each gold hop: is one of its fact's passages among ``retrieved_ids``?"""
-    got = set(map(str, retrieved_ids))
-    return [not ids.isdisjoint(got) for ids in gold_fact_passages(question)]
-
-
-def fact_recall(question: Union[QAExample, dict], retrieved_ids: Iterable) -> float:
-    """Share of the question's gold facts retrieved so far (0 to 1); needs hop labels."""
-    found = hops_found(question, retrieved_ids)
-    if not found:
-        raise ValueError("the question has no hop labels (metadata.hops); fact recall needs the toy world")
-    return sum(found) / len(found)
-
-
-def _fact_patterns() -> list[tuple[str, re.Pattern]]:
-    def pattern(sentence: str) -> re.Pattern:
-        body = re.escape(sentence).replace(re.escape("{s}"), "(?P<s>.+?)").replace(re.escape("{o}"), "(?P<o>.+?)")
-        return re.compile(body)
-
-    return [(rel, pattern(r.sentence)) for rel, r in RELATIONS.items()]
-
-
-_FACT_PATTERNS = _fact_patterns()
-
-
-def parse_facts(text: str) -> list[tuple[str, str, str]]:
-    """The ``(subject, relation, object)`` facts a passage's text states, read back from its sentences."""
-    out = []
-    for sentence in re.split(r"(?<=\.) ", text):
-        for rel, pat in _FACT_PATTERNS:
-            m = pat.fullmatch(sentence)
-            if m:
-                out.append((m.group("s"), rel, m.group("o")))
-    return out
-
-
 def summarize(world: ToyWorld) -> dict:
     """Counts: entities by type, twins, passages (fact / distractor), questions by split and hops."""
     fact_ids = {pid for ids in world.facts.values() for pid in ids}
-    hops = [len(_hops(q)) for q in world.questions]
+    hops = [len(question_hops(q)) for q in world.questions]
     return {
         "seed": world.config.seed,
         "entities": {t: sum(e["type"] == t for e in world.entities.values()) for t in TYPES},

@@ -8,7 +8,7 @@
     with phases.train():                 # engines asleep, training parameters and optimizer state on the GPU
         ...
 
-vLLM sleep levels (DESIGN.md "Colocation"): level 1 offloads an engine's weights to CPU
+vLLM sleep levels: level 1 offloads an engine's weights to CPU
 memory and drops its KV cache (right for a frozen critic); level 2 drops both (right for
 the policy, whose weights are re-synced after every update anyway). Waking a level-2
 policy engine wakes ``weights`` first, streams the new weights in tensor by tensor, and

@@ -56,8 +56,9 @@ warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_int
 import deepspeed  # noqa: E402
 from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum  # noqa: E402
 
-from fastcredit.distributed.engine import OptimizerFactory, TrainEngine, move_optimizer_state  # noqa: E402
-from fastcredit.distributed.fsdp import DistInfo, apply_activation_checkpointing, hf_name  # noqa: E402
+from fastcredit.distributed.engine import (  # noqa: E402
+    OptimizerFactory, TrainEngine, apply_activation_checkpointing, hf_name, move_optimizer_state)
+from fastcredit.distributed.process_group import DistInfo  # noqa: E402
 
 
 def deepspeed_config(world_size: int, zero_stage: int, bf16: bool, cpu_offload: bool, grad_clip: float) -> dict:
@@ -178,7 +179,6 @@ class DeepSpeedEngine(TrainEngine):
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint in {folder}")
 
-    # ------------------------------------------------------------------ colocation
     def _offload_kinds(self) -> list:
         """The states DeepSpeed's ``offload_states`` moves for a torch optimizer here."""
         kinds = list(OffloadStateTypeEnum)

@@ -8,13 +8,16 @@
     for name, tensor in policy.full_state():   # HF names, one full tensor at a time (collective)
         ...
 
-``distributed.engine`` picks the implementation: :class:`FSDP2Engine` (``fully_shard`` per
-decoder layer and a ``torch.optim`` optimizer; checkpoints through DCP) or
-:class:`fastcredit.distributed.deepspeed_engine.DeepSpeedEngine` (DeepSpeed ZeRO stage 2 or
-3, ``distributed.zero_stage``; checkpoints through the engine's own ``save_checkpoint``).
+Implementations: :class:`fastcredit.distributed.fsdp.FSDP2Engine` (``fully_shard`` per
+decoder layer and a ``torch.optim`` optimizer; checkpoints through DCP) and
+:class:`fastcredit.distributed.deepspeed_engine.DeepSpeedEngine` (DeepSpeed ZeRO stage 2
+or 3; checkpoints through the engine's own ``save_checkpoint``);
+:func:`fastcredit.distributed.build.build_train_engine` picks one by ``distributed.engine``.
 The update's loss normalisation stays ours: each rank's loss is pre-scaled (``dp_size``,
 global counts) so that the ranks' *averaged* gradient equals the global batch's, which
-both engines' gradient reductions (means over ranks) preserve.
+both engines' gradient reductions (means over ranks) preserve. This file also holds what
+both engines do to an HF model: find its decoder layers, checkpoint their activations,
+and strip the wrappers' prefixes from parameter names.
 """
 from __future__ import annotations
 
@@ -24,10 +27,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
-from fastcredit.distributed.fsdp import DistInfo, stream_full_state, wrap_fsdp2
-
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-ENGINES = ("fsdp2", "deepspeed")
 
 
 class TrainEngine(abc.ABC):
@@ -87,61 +87,29 @@ def move_optimizer_state(opt: torch.optim.Optimizer, device) -> None:
                 state[k] = v.to(device, non_blocking=True)
 
 
-class FSDP2Engine(TrainEngine):
-    """A ``wrap_fsdp2`` model (plain on one process) and a ``torch.optim`` optimizer."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device = torch.device("cpu")):
-        self.model, self.module, self.optimizer, self.device = model, model, optimizer, device
-
-    def __call__(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def clip_and_step(self, max_norm: float) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
-        self.optimizer.step()
-        return norm
-
-    def set_lr(self, lr: float) -> None:
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-
-    def full_state(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
-        return stream_full_state(self.model.lm, dtype)
-
-    def offload(self) -> None:
-        self.model.to("cpu")
-        move_optimizer_state(self.optimizer, "cpu")
-
-    def reload(self) -> None:
-        self.model.to(self.device)
-        move_optimizer_state(self.optimizer, self.device)
-
-    def dcp_state(self) -> tuple[nn.Module, torch.optim.Optimizer]:
-        return self.model, self.optimizer
-
-
 def adamw(**kwargs) -> OptimizerFactory:
     """A factory of ``torch.optim.AdamW(params, **kwargs)`` (the engine decides which parameters it gets)."""
     return lambda params: torch.optim.AdamW(params, **kwargs)
 
 
-def build_train_engine(module: nn.Module, info: DistInfo, dcfg, make_optimizer: OptimizerFactory,
-                       grad_clip: float) -> TrainEngine:
-    """``module`` wrapped by the engine ``dcfg.engine`` names (a ``DistributedConfig``), with its optimizer."""
-    if dcfg.engine == "fsdp2":
-        model = wrap_fsdp2(module, info, dcfg.mixed_precision, dcfg.cpu_offload, dcfg.activation_checkpointing)
-        return FSDP2Engine(model, make_optimizer(model.parameters()), info.device)
-    if dcfg.engine == "deepspeed":
-        from fastcredit.distributed.deepspeed_engine import wrap_deepspeed
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of an HF causal LM, however deep it sits (``model.layers``,
+    ``lm.model.layers``, ``transformer.h``): the first ``ModuleList`` named ``layers`` or ``h``."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h") and len(mod):
+            return list(mod)
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (a ModuleList named layers or h)")
 
-        return wrap_deepspeed(module, info, make_optimizer, zero_stage=dcfg.zero_stage,
-                              mixed_precision=dcfg.mixed_precision, cpu_offload=dcfg.cpu_offload,
-                              activation_checkpointing=dcfg.activation_checkpointing, grad_clip=grad_clip)
-    raise ValueError(f"distributed.engine must be one of {list(ENGINES)}, got {dcfg.engine!r}")
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer in the backward pass (non-reentrant checkpoint wrappers)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing as apply_ac
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = set(map(id, decoder_layers(model)))
+    apply_ac(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in layers)
+
+
+def hf_name(name: str) -> str:
+    """A state-dict key with the wrappers' prefixes (activation checkpointing, FSDP1) removed."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")

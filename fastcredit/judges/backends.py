@@ -3,8 +3,8 @@
 * :class:`HTTPBackend`: an OpenAI-compatible ``/v1/chat/completions`` endpoint (a judge served
   elsewhere), with a concurrency limit, per-request timeouts and retries with exponential backoff.
 * :class:`EngineBackend`: a colocated engine (``generate_text``; the phase manager wakes it).
-* :class:`OracleBackend`: the toy world's gold facts answer, in each judge's own verdict format,
-  so the oracle path goes through the same parsers as a real judge.
+* ``fastcredit.judges.oracle.OracleBackend``: the toy world's gold facts, in each judge's own
+  verdict format, so the oracle path goes through the same parsers as a real judge.
 
 ``None`` is a request that failed after the retries. Requests carry the structured item
 (for the oracle) besides the prompt (for text backends).
@@ -72,42 +72,3 @@ class EngineBackend:
     async def complete(self, requests: list[JudgeRequest]) -> list[Optional[str]]:
         return list(await asyncio.to_thread(self.engine.generate_text, [r.prompt for r in requests], self.max_tokens,
                                             self.temperature))
-
-
-class OracleBackend:
-    """The toy world's gold facts as a judge (tests, the demo): verdict text in each judge's format."""
-
-    async def complete(self, requests: list[JudgeRequest]) -> list[Optional[str]]:
-        return [self._answer(r) for r in requests]
-
-    @staticmethod
-    def new_hops(item: JudgeItem) -> list[bool]:
-        """Per turn: did it retrieve a gold passage of a hop no earlier turn had found?"""
-        from fastcredit.data.toyworld import hops_found
-
-        q = item.meta.get("example")
-        if q is None:
-            return [False] * len(item.steps)
-        seen, found, out = [], 0, []
-        for s in item.steps:
-            seen += list(s.retrieved_ids)
-            now = sum(hops_found(q, seen))
-            out.append(now > found)
-            found = now
-        return out
-
-    def _answer(self, r: JudgeRequest) -> str:
-        item = r.item
-        new = self.new_hops(item)
-        if r.kind == "criticsearch":
-            labels = [str(int(n)) for s, n in zip(item.steps, new) if s.kind_name == "search"]
-            return f"Oracle: a search is good when it retrieves a new gold fact.\n<score>{', '.join(labels)}</score>"
-        s = item.steps[r.turn]
-        if r.kind == "cwgrpo":
-            earlier = {x.query for x in item.steps[:r.turn] if x.query}
-            thinking = int(s.kind_name == "search" and s.query not in earlier)
-            return ('```json\n{"analysis": "oracle", "thinking_reward": %d, "retrieval_reward": %d}\n```'
-                    % (thinking, int(new[r.turn])))
-        good = new[r.turn] or (s.kind_name == "answer" and item.em >= 1.0)
-        return f"Oracle.\n<rating>{8 if good else 1}</rating>\n<critique>Search for the missing fact of the " \
-               f"question directly.</critique>"

@@ -1,5 +1,5 @@
-"""Judge prompts: CriticSearch's reward prompt (papers/criticsearch.txt, Appendix F), CW-GRPO's judge rubric
-(papers/cw-grpo.txt, Figure 6), and ProCeedRL's process critic and refiner (reconstructed: the paper's
+"""Judge prompts: CriticSearch's reward prompt (the CriticSearch paper, Appendix F), CW-GRPO's judge rubric
+(the CW-GRPO paper, Figure 6), and ProCeedRL's process critic and refiner (reconstructed: the paper's
 Appendix E text is missing from the extraction, so these follow its description in Sec. 3.3: an integer
 score 0-10 and a textual critique of the latest step given the history; a refined action from the history,
 the rejected action and the critique).

@@ -2,7 +2,7 @@
 
 Legend: S turns of all items (flat, item-major), B items (trajectories).
 
-* :class:`CriticSearchCritic` (METHODS.md §3): one call per trajectory; labels of its search turns.
+* :class:`CriticSearchCritic` (docs/methods.md §3): one call per trajectory; labels of its search turns.
 * :class:`CWGRPOJudge` (§4): one call per non-final round of each successful trajectory.
 * :class:`ProcessCritic` (§5): one call per ProCeed step, ``await ascore_step(...)``.
 

@@ -11,7 +11,6 @@ server and client, and the CUDA ops they use.
     build.py        python -m fastcredit.retrieval.build   (resumable)
     serve.py        python -m fastcredit.retrieval.serve   (POST /retrieve)
     client.py       RetrievalClient (retries, backoff)
-    batching.py     MicroBatcher (dynamic batching for asyncio callers)
     loadtest.py     python -m fastcredit.retrieval.loadtest
     testing.py      tiny encoder / corpus / tokenizer for tests
 
@@ -29,7 +28,6 @@ _EXPORTS = {
     "Retriever": "retriever", "Hit": "retriever", "open_retriever": "retriever", "from_config": "retriever",
     "build_all": "build",
     "RetrievalClient": "client",
-    "MicroBatcher": "batching",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -23,6 +23,7 @@ from typing import Optional
 
 import numpy as np
 
+from fastcredit.retrieval.cli import add_encoder_args
 from fastcredit.retrieval.corpus import CorpusStore, open_corpus_store
 from fastcredit.retrieval.encoders import Encoder
 
@@ -151,19 +152,14 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", required=True, help="corpus jsonl (Search-R1 format: id, contents)")
     p.add_argument("--out", required=True, help="output folder (created; resumed when it holds a partial build)")
-    p.add_argument("--encoder", default="minilm", help="'minilm' (packaged) or a local HF encoder folder")
-    p.add_argument("--pooling", default="mean", choices=("mean", "cls"))
-    p.add_argument("--query-prefix", default="", help="recorded for search time (E5: 'query: ')")
-    p.add_argument("--passage-prefix", default="", help="prepended to passages (E5: 'passage: ')")
+    add_encoder_args(p, query_prefix_help="recorded for search time (E5: 'query: ')",
+                     passage_prefix_help="prepended to passages (E5: 'passage: ')")
     p.add_argument("--max-length", type=int, default=256, help="encoder tokens per passage")
-    p.add_argument("--index-type", default="flat", choices=("flat", "hnsw", "ivfpq", "torch"))
     p.add_argument("--hnsw-m", type=int, default=32, help="HNSW neighbours per node")
     p.add_argument("--nlist", type=int, default=None, help="IVF lists (default ~4 sqrt(N))")
     p.add_argument("--pq-m", type=int, default=None, help="PQ sub-quantizers (default dim/8)")
     p.add_argument("--batch-size", type=int, default=256, help="passages per encoder forward")
     p.add_argument("--chunk-size", type=int, default=65536, help="passages per resumable embedding chunk")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--tokenizer", default=None, help="policy tokenizer folder: also pre-tokenize every passage")
     p.add_argument("--max-chunks", type=int, default=None, help="stop after this many new chunks (resume later)")
     p.add_argument("--overwrite", action="store_true", help="discard finished chunks instead of resuming")

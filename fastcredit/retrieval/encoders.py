@@ -17,7 +17,7 @@ import torch
 log = logging.getLogger(__name__)
 
 POOLINGS = ("mean", "cls")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -32,9 +32,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """``auto`` is bf16 on a GPU and fp32 on the CPU (CPU half-precision matmuls are slow)."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"encoder dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
+    if dtype not in DTYPES:
+        raise ValueError(f"encoder dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
 
 
 def encoder_path(name: str) -> str:

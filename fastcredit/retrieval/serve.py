@@ -25,7 +25,8 @@ from typing import Callable, Optional
 
 from aiohttp import web
 
-from fastcredit.retrieval.batching import MicroBatcher, QueueFull
+from fastcredit.batching import MicroBatcher, QueueFull
+from fastcredit.retrieval.cli import add_encoder_args
 
 log = logging.getLogger(__name__)
 
@@ -215,13 +216,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fastcredit.retrieval.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--index", default=None, help="FAISS index file (Search-R1's e5_Flat.index) or a fastcredit build folder")
     p.add_argument("--corpus", default=None, help="corpus jsonl (needed unless --index is a build folder)")
-    p.add_argument("--encoder", default="minilm", help="'minilm' or a local HF encoder folder")
-    p.add_argument("--pooling", default="mean", choices=("mean", "cls"))
-    p.add_argument("--query-prefix", default="", help="E5: 'query: '")
-    p.add_argument("--passage-prefix", default="", help="E5: 'passage: ' (only used when building)")
-    p.add_argument("--index-type", default="flat", choices=("flat", "hnsw", "ivfpq", "torch"))
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    add_encoder_args(p, query_prefix_help="E5: 'query: '", passage_prefix_help="E5: 'passage: ' (only used when building)")
     p.add_argument("--num-shards", type=int, default=0, help="GPUs to shard a flat index over (0: all)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes the server to the network)")
     p.add_argument("--port", type=int, default=8000)

@@ -19,7 +19,7 @@ corrective message and for a text-only HTTP retriever). Text the policy writes i
 fake ``<information>`` block included — stays inside the action span, so it is trained on
 and never treated as an observation. Limits (``rollout.max_turns``, ``max_action_tokens``,
 ``max_obs_tokens``, ``max_response_tokens``): hitting one makes the trajectory's final turn
-``truncated``. Where Search-R1 and METHODS.md leave it open: a search action on the last
+``truncated``. Where Search-R1 and the papers leave it open: a search action on the last
 allowed turn is ``truncated`` (the trajectory ended without an answer); an observation that
 would leave no room for another action token truncates the turn instead of being cut.
 """
@@ -188,7 +188,7 @@ class AsyncSearch:
     """Micro-batched retrieval for concurrent trajectories (``retrieval.batch_size`` / ``batch_timeout_ms``)."""
 
     def __init__(self, searcher: Searcher, max_batch: int = 256, timeout_ms: float = 2.0):
-        from fastcredit.retrieval.batching import MicroBatcher
+        from fastcredit.batching import MicroBatcher
 
         self.batcher = MicroBatcher(searcher, max_batch=max_batch, timeout_ms=timeout_ms, max_queue=1 << 20)
         self.calls = 0

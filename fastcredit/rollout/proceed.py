@@ -1,4 +1,4 @@
-"""ProCeedRL rewind-and-refine rollouts (METHODS.md §5, papers/proceedrl.txt).
+"""ProCeedRL rewind-and-refine rollouts (docs/methods.md §5).
 
 In each group the first ``ceil(G · rollout.proceed.fraction)`` trajectories (paper: G/2)
 are ProCeed rollouts. After each of their steps (an action and its observation; a final
@@ -11,13 +11,13 @@ At most ``max_rewinds`` rewinds per trajectory; a refined step is not critiqued 
 The critic is the policy itself by default (``judges.backend`` decides otherwise) and the
 refiner is the policy (``rollout.proceed.refiner = self``) or the judge engine
 (``external``). Either way the refined action's tokens are stored in the trajectory's
-ordinary context, so the trainer recomputes their old log-probs there (METHODS.md §5).
+ordinary context, so the trainer recomputes their old log-probs there (docs/methods.md §5).
 """
 from __future__ import annotations
 
 import asyncio
 import math
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from fastcredit.rollout.agent import AgentLoop, Episode
 from fastcredit.rollout.engines.base import GenOutput, SamplingParams
@@ -44,17 +44,19 @@ def history_text(e: Episode, upto: int) -> str:
 class ProceedHook:
     """The :class:`AgentLoop` step hook that critiques, rewinds and refines ProCeed trajectories.
 
-    ``critic``: object with ``async ascore_step(question, history, action, observation) ->
-    (score or None, critique)`` (fastcredit.judges.process); ``refine_prompt(question,
-    history, rejected, critique) -> str``; ``refiner``: the engine that writes refined actions
-    (the policy's for ``self``), called on the tokenized refiner prompt with the action's
-    sampling parameters and stop strings.
+    ``critic``: object with ``async ascore_step(question, history, action, observation, item,
+    turn) -> (score or None, critique)`` (``fastcredit.judges.runner.ProcessCritic``);
+    ``refine_prompt(question, history, rejected, critique) -> str``; ``refiner``: the engine
+    that writes refined actions (the policy's for ``self``), called on the tokenized refiner
+    prompt with the action's sampling parameters and stop strings; ``describe(episode)``:
+    what the critic's ``item`` is made of (``fastcredit.judges.types.item_from_episode``;
+    None passes no item).
     """
 
     def __init__(self, critic, refine_prompt: Callable[..., str], refiner, tokenizer, tau: int = 3,
-                 max_rewinds: int = 4, self_refine: bool = True):
+                 max_rewinds: int = 4, self_refine: bool = True, describe: Optional[Callable] = None):
         self.critic, self.refine_prompt, self.refiner, self.tokenizer = critic, refine_prompt, refiner, tokenizer
-        self.tau, self.max_rewinds, self.self_refine = tau, max_rewinds, self_refine
+        self.tau, self.max_rewinds, self.self_refine, self.describe = tau, max_rewinds, self_refine, describe
         self.stats = {"critiqued_steps": 0, "rewinds": 0, "critic_failures": 0}
 
     async def __call__(self, loop: AgentLoop, e: Episode, search) -> None:
@@ -65,10 +67,9 @@ class ProceedHook:
             return
         question = e.meta.get("question", "")
         history = history_text(e, len(e.steps) - 1)
-        from fastcredit.judges.types import item_from_episode
-
+        item = self.describe(e) if self.describe is not None else None
         score, critique = await self.critic.ascore_step(question, history, step.action_text, step.obs_text,
-                                                        item=item_from_episode(e), turn=len(e.steps) - 1)
+                                                        item=item, turn=len(e.steps) - 1)
         self.stats["critiqued_steps"] += 1
         if score is None:
             self.stats["critic_failures"] += 1

@@ -4,46 +4,25 @@ Legend (shape suffixes):
     N  packed response tokens of the whole batch (no padding)
     B  trajectories
     S  turns ("segments") of all trajectories, trajectory-major, in order
-    L  longest response, in padded ``[B, L]`` views
 
 A trajectory's response is a sequence of turns. Turn ``s`` occupies the packed
 tokens ``[seg_start_S[s], seg_start_S[s] + seg_action_len_S[s])`` (its action, which
 the policy wrote) followed by ``seg_obs_len_S[s]`` observation tokens (written by the
 environment, never trained on). Turns of a trajectory are contiguous and tile its
 response exactly. ``seg_id_N`` maps each action token to its turn and is -1 on
-observation tokens.
+observation tokens. Turn kinds are ``fastcredit.credit.types.TurnKind`` (imported here,
+the estimators read the same codes); padded ``[B, L]`` views live in
+``fastcredit.rollout.padded``.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Optional, Sequence
 
 import torch
 
-
-class TurnKind(IntEnum):
-    """How a turn's action ended (METHODS.md "The objects")."""
-
-    SEARCH = 0  # ended with </search>; followed by the retrieved passages
-    ANSWER = 1  # ended with </answer>; the trajectory ends
-    INVALID = 2  # neither tag, or an empty query; followed by a corrective message
-    TRUNCATED = 3  # a length or turn budget ran out; the trajectory ends
-
-    @classmethod
-    def parse(cls, value: "TurnKind | str | int") -> "TurnKind":
-        if isinstance(value, str):
-            try:
-                return cls[value.upper()]
-            except KeyError:
-                raise ValueError(
-                    f"unknown turn kind {value!r}; valid: {[k.name.lower() for k in cls]}"
-                ) from None
-        return cls(int(value))
-
-
-_ENDING_KINDS = (TurnKind.ANSWER, TurnKind.TRUNCATED)
+from fastcredit.credit.types import TurnKind
 
 
 class TrajectoryError(ValueError):
@@ -52,7 +31,7 @@ class TrajectoryError(ValueError):
 
 @dataclass
 class Turn:
-    """One turn as the rollout produced it: the input to :meth:`TrajectoryBatch.from_turns`."""
+    """One turn as the rollout produced it: the input to :func:`from_turns`."""
 
     action_ids: Sequence[int]
     kind: "TurnKind | str"
@@ -65,9 +44,9 @@ class Turn:
 class TrajectoryBatch:
     """A batch of ``B`` trajectories with packed response tokens and turn segments.
 
-    Construct with :meth:`from_turns`, :meth:`from_padded` or directly; every
-    constructor runs :meth:`validate`, which raises :class:`TrajectoryError` naming
-    the first broken invariant.
+    Construct with :func:`from_turns`, ``fastcredit.rollout.padded.from_padded`` or
+    directly; every constructor runs :meth:`validate`, which raises :class:`TrajectoryError`
+    naming the first broken invariant.
     """
 
     tokens_N: torch.Tensor  # int64 [N] response token ids, trajectories back to back
@@ -90,7 +69,6 @@ class TrajectoryBatch:
     def __post_init__(self) -> None:
         self.validate()
 
-    # ------------------------------------------------------------------ sizes
     @property
     def num_trajectories(self) -> int:
         return int(self.cu_seqlens.numel()) - 1
@@ -148,7 +126,6 @@ class TrajectoryBatch:
         end = self.seg_start_S + self.seg_action_len_S - 1
         return torch.where(self.seg_action_len_S > 0, end, torch.full_like(end, -1))
 
-    # ------------------------------------------------------------- validation
     def validate(self) -> None:
         """Check every invariant of the data model; raise TrajectoryError on the first miss."""
         _check_dtypes(self)
@@ -342,86 +319,6 @@ def to_turns(batch: TrajectoryBatch) -> list[list[Turn]]:
     return out
 
 
-@dataclass
-class PaddedView:
-    """``[B, L]`` right-padded views of a batch, for libraries that demand them."""
-
-    tokens: torch.Tensor  # int64 [B, L], pad_id where not valid
-    attention_mask: torch.Tensor  # bool [B, L] real tokens
-    action_mask: torch.Tensor  # bool [B, L] policy-generated tokens
-    seg_id: torch.Tensor  # int32 [B, L] global turn index of action tokens, -1 elsewhere
-    demo_mask: torch.Tensor  # bool [B, L]
-
-
-def _padded_index(batch: TrajectoryBatch, L: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row and column of every packed token in the ``[B, L]`` view."""
-    row_N = batch.traj_index_N
-    col_N = torch.arange(batch.num_tokens) - batch.cu_seqlens.long()[row_N]
-    if batch.num_tokens and int(col_N.max()) >= L:
-        raise TrajectoryError(f"pad length {L} is shorter than the longest trajectory")
-    return row_N, col_N
-
-
-def to_padded(batch: TrajectoryBatch, pad_id: int = 0, length: Optional[int] = None) -> PaddedView:
-    """Scatter the packed stream into right-padded ``[B, L]`` tensors (L = longest unless given)."""
-    B = batch.num_trajectories
-    L = int(batch.seqlens_B.max()) if length is None and B > 0 else (length or 0)
-    row, col = _padded_index(batch, L)
-
-    def scatter(values, fill, dtype):
-        out = torch.full((B, L), fill, dtype=dtype)
-        out[row, col] = values.to(dtype)
-        return out
-
-    return PaddedView(
-        tokens=scatter(batch.tokens_N, pad_id, torch.int64),
-        attention_mask=scatter(torch.ones(batch.num_tokens, dtype=torch.bool), False, torch.bool),
-        action_mask=scatter(batch.action_mask_N, False, torch.bool),
-        seg_id=scatter(batch.seg_id_N, -1, torch.int32),
-        demo_mask=scatter(batch.demo_mask_N, False, torch.bool),
-    )
-
-
-def pack_padded(batch: TrajectoryBatch, values_BL: torch.Tensor) -> torch.Tensor:
-    """Gather a per-token ``[B, L, ...]`` tensor (e.g. log-probs from a padded forward) into ``[N, ...]``."""
-    row, col = _padded_index(batch, values_BL.shape[1])
-    return values_BL[row, col]
-
-
-def from_padded(
-    tokens_BL: torch.Tensor,
-    lengths_B: torch.Tensor,
-    turns_B: Sequence[Sequence[tuple]],
-    demo_mask_BL: Optional[torch.Tensor] = None,
-    **outcomes,
-) -> TrajectoryBatch:
-    """Build a batch from ``[B, L]`` tokens, row lengths and per-row turn layouts.
-
-    ``turns_B[b]`` lists ``(action_len, obs_len, kind)`` for trajectory ``b``;
-    they must tile ``lengths_B[b]``. ``outcomes`` are forwarded to :func:`from_turns`.
-    """
-    lengths = [int(x) for x in torch.as_tensor(lengths_B).tolist()]
-    if len(lengths) != tokens_BL.shape[0] or len(turns_B) != tokens_BL.shape[0]:
-        raise TrajectoryError(
-            f"from_padded: {tokens_BL.shape[0]} rows, {len(lengths)} lengths, {len(turns_B)} turn layouts"
-        )
-    trajectories = []
-    for b, layout in enumerate(turns_B):
-        used = sum(int(a) + int(o) for a, o, _ in layout)
-        if used != lengths[b] or lengths[b] > tokens_BL.shape[1]:
-            raise TrajectoryError(
-                f"from_padded: row {b} has length {lengths[b]} but its turns cover {used} tokens"
-            )
-        row, pos, turns = tokens_BL[b].tolist(), 0, []
-        for a, o, kind in layout:
-            a, o = int(a), int(o)
-            demo = None if demo_mask_BL is None else demo_mask_BL[b, pos : pos + a].int().tolist()
-            turns.append(Turn(row[pos : pos + a], kind, row[pos + a : pos + a + o], demo))
-            pos += a + o
-        trajectories.append(turns)
-    return from_turns(trajectories, **outcomes)
-
-
 def selection_index(batch: TrajectoryBatch, index_K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tok_N', seg_S')``: the packed token and turn indices of trajectories ``index_K``, in
     :func:`select`'s order, to cut per-token and per-turn tensors that live beside the batch."""
@@ -509,6 +406,3 @@ def replace(batch: TrajectoryBatch, **changes) -> TrajectoryBatch:
     """A copy with some fields replaced (validated again)."""
     return dataclasses.replace(batch, **changes)
 
-
-TrajectoryBatch.from_turns = staticmethod(from_turns)  # type: ignore[attr-defined]
-TrajectoryBatch.from_padded = staticmethod(from_padded)  # type: ignore[attr-defined]

@@ -14,13 +14,14 @@ W[chunk]`` (fp32, chunks in a fixed order). Derivation: README.md.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from .._dispatch import interpreted
 
 
 @triton.jit
@@ -165,13 +166,9 @@ class LogprobConfig:
     num_stages: int = 3
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def default_config(N: int, V: int, H: int, dtype: torch.dtype) -> LogprobConfig:
     """Launch shape for these sizes: large tiles on the interpreter, where every program costs ~ms."""
-    if _interpreted():
+    if interpreted():
         return LogprobConfig(block_n=min(512, triton.next_power_of_2(max(N, 16))), block_v=1024,
                              block_h=min(64, triton.next_power_of_2(max(H, 16))), n_splits=2, chunk_v=4096)
     cfg = LogprobConfig() if dtype != torch.float32 else LogprobConfig(block_h=32, num_stages=2)
@@ -182,7 +179,7 @@ def default_config(N: int, V: int, H: int, dtype: torch.dtype) -> LogprobConfig:
 
 
 def _dot_flags(dtype: torch.dtype) -> dict:
-    upcast = _interpreted()
+    upcast = interpreted()
     exact = upcast or dtype == torch.float32
     return dict(DOT_F32=upcast, PRECISION="ieee" if exact else "tf32")
 

@@ -29,7 +29,7 @@ def _per_token_advantage(seg_id_N, adv_S, adv_N, dtype):
 
 
 def _surrogate(ratio_N, A_N, cfg):
-    """Per-token clipped surrogate and the clip indicators (METHODS.md "The policy loss")."""
+    """Per-token clipped surrogate and the clip indicators (docs/methods.md §7)."""
     unclipped = -A_N * ratio_N
     clipped = -A_N * torch.clamp(ratio_N, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     pg_N = torch.maximum(unclipped, clipped)

@@ -11,7 +11,6 @@ Derivation: README.md.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._dispatch import interpreted
 from .naive import AGG_MODES
 
 # Columns of the [P, K] partial-sum buffer.
@@ -197,13 +197,9 @@ class SurrogateParams:
     block: int
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def default_block(n: int) -> int:
     """Tokens per program: 2048 on a GPU; on the interpreter few, large programs (it pays per program)."""
-    if _interpreted():
+    if interpreted():
         return max(128, min(4096, triton.next_power_of_2(max(n, 1))))
     return 2048
 

@@ -1,4 +1,4 @@
-"""Hand-worked examples of every estimator, written from the equations of METHODS.md.
+"""Hand-worked examples of every estimator, written from the equations of docs/methods.md.
 
 The arithmetic is in the comments; expected numbers are typed from it, not computed
 by the code under test.

@@ -3,7 +3,7 @@
 Batches: 1-3 groups of 1-16 samples, 0-10 non-final (search / invalid) turns, answer or
 truncated final turns, empty actions and observations, binary or tied rewards, critic
 verdicts all good / all bad / mixed, judge scores all 0 / all 1 / mixed, PRM outputs
-at 0 and 1 (the clamp), and every switch of METHODS.md.
+at 0 and 1 (the clamp), and every switch of docs/methods.md.
 """
 import math
 

@@ -16,10 +16,8 @@ from hypothesis import strategies as st
 
 from fastcredit.data.loaders import DataError, QAExample, iter_corpus, load_qa, load_searchr1_parquet, load_toyworld
 from fastcredit.data.prompts import build_prompt
-from fastcredit.data.toyworld import (
-    QUESTIONS, RELATIONS, ToyWorldConfig, fact_recall, generate_world, gold_fact_passages, hops_found, load_world,
-    parse_facts, write_world,
-)
+from fastcredit.data.toyqa import QUESTIONS, RELATIONS, fact_recall, gold_fact_passages, hops_found, parse_facts
+from fastcredit.data.toyworld import ToyWorldConfig, generate_world, load_world, write_world
 from fastcredit.rewards import exact_match, normalize_answer
 
 SMALL = dict(num_people=60, num_cities=15, num_countries=5, num_universities=6, num_companies=20, num_bands=10,

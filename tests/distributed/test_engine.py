@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from fastcredit.actor import PolicyModel
-from fastcredit.distributed.engine import FSDP2Engine, adamw, build_train_engine
-from fastcredit.distributed.fsdp import DistInfo
+from fastcredit.distributed.build import build_train_engine
+from fastcredit.distributed.engine import adamw
+from fastcredit.distributed.fsdp import FSDP2Engine
+from fastcredit.distributed.process_group import DistInfo
 
 
 def _dcfg(**kw):

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastcredit.judges.backends import HTTPBackend, JudgeRequest, OracleBackend
+from fastcredit.judges.backends import HTTPBackend, JudgeRequest
+from fastcredit.judges.oracle import OracleBackend
 from fastcredit.judges.parsers import parse_criticsearch, parse_cwgrpo, parse_process
 from fastcredit.judges.prompts import criticsearch_prompt, cwgrpo_prompt, neutralise
 from fastcredit.judges.runner import CriticSearchCritic, CWGRPOJudge, ProcessCritic

@@ -1,4 +1,4 @@
-"""Shared by every kernel test (STYLE.md: poison outputs so an unwritten element fails)."""
+"""Shared by every kernel test: outputs are poisoned so that an unwritten element fails."""
 import pytest
 import torch
 

@@ -3,8 +3,9 @@ entropy, and the gradients to the hidden states and the head. Interpreter on the
 import pytest
 import torch
 
-from fastcredit.kernels.linear_logprob import (IMPL_ENV, LogprobConfig, linear_logprob, linear_logprob_naive,
-                                               linear_logprob_triton)
+from fastcredit.kernels._dispatch import IMPL_ENV
+from fastcredit.kernels.linear_logprob import LogprobConfig, linear_logprob_naive, linear_logprob_triton
+from fastcredit.loss import linear_logprob
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -53,7 +54,7 @@ def assert_close(got, ref, dtype, naive_lowp=None):
         scale = {n: b.abs().max().item() for n, b in zip(NAMES, ref)}
         bad = {n: (e, scale[n]) for n, e in err.items() if e > 1e-5 * scale[n]}
     else:
-        # Relative bound (STYLE.md): within 2x the error of the naive op run in bf16.
+        # Relative bound: within 2x the error of the naive op run in bf16.
         base = {n: (a.double().cpu() - b.cpu()).abs().max().item() for n, a, b in zip(NAMES, naive_lowp, ref)}
         bad = {n: (e, base[n]) for n, e in err.items() if e > 2.0 * base[n]}
     assert not bad, bad

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from fastcredit.credit.config import LossConfig
+from fastcredit.loss_config import LossConfig
 from fastcredit.kernels.turn_surrogate import turn_counts, turn_surrogate_loss, turn_surrogate_naive
 from fastcredit.loss import AGG_MODES, LossCounts, loss_counts, policy_loss_torch
 from fastcredit.rollout.trajectory import Turn, from_turns
@@ -109,7 +109,7 @@ def assert_close(got, ref, dtype, naive_lowp=None):
         scale = {k: v.abs().max().item() if v.numel() else 0.0 for k, v in _outputs(ref).items()}
         bad = {k: (e, scale[k]) for k, e in err.items() if e > 1e-5 * scale[k] + 1e-12}
     else:
-        # Relative bound (STYLE.md): within 2x the error of the naive op run in bf16. Floor: one bf16
+        # Relative bound: within 2x the error of the naive op run in bf16. Floor: one bf16
         # ulp (2^-7 relative) of the output's largest element. Storing a gradient in bf16 costs half
         # an ulp whoever computes it (a whole one under TRITON_INTERPRET, whose fp32 -> bf16
         # conversion truncates); on a few dozen tokens the naive op is sometimes luckier than that.

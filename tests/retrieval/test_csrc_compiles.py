@@ -2,7 +2,7 @@
 and every csrc/*.cpp passes a C++20 syntax check against torch's headers.
 
 The CPU torch ships the c10/cuda headers but not the CMake-generated
-``c10/cuda/impl/cuda_cmake_macros.h``; a two-line stub stands in for it (ENV-NOTES.md).
+``c10/cuda/impl/cuda_cmake_macros.h``; a two-line stub stands in for it (the CPU build of torch lacks it).
 The sources avoid ``ATen/cuda/CUDAContext.h``, so no cuBLAS / cuSPARSE / cuSOLVER headers
 are needed.
 """

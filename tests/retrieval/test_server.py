@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from fastcredit.retrieval.batching import MicroBatcher, QueueFull
+from fastcredit.batching import MicroBatcher, QueueFull
 from fastcredit.retrieval.build import build_all
 from fastcredit.retrieval.client import RetrievalClient, RetrievalRequestError, RetrievalUnavailable
 from fastcredit.retrieval.corpus import CorpusStore

@@ -4,18 +4,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastcredit.rollout.padded import from_padded, pack_padded, to_padded
 from fastcredit.rollout.trajectory import (
     TrajectoryBatch,
     TrajectoryError,
     Turn,
     TurnKind,
     concat,
-    from_padded,
     from_turns,
-    pack_padded,
     replace,
     select,
-    to_padded,
     to_turns,
 )
 

@@ -66,13 +66,12 @@ class Engine(abc.ABC):
     def close(self) -> None:
         pass
 
-    # ------------------------------------------------------------------ async micro-batching
     max_batch: int = 256
     batch_timeout_ms: float = 5.0
 
     async def agenerate(self, prompt: Sequence[int], params: SamplingParams) -> GenOutput:
         """One request; concurrent requests are batched by size and a short time window."""
-        from fastcredit.retrieval.batching import MicroBatcher
+        from fastcredit.batching import MicroBatcher
 
         loop = asyncio.get_running_loop()
         batcher = getattr(self, "_batcher", None)

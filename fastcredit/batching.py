@@ -1,7 +1,9 @@
 """Dynamic batching for asyncio callers: many concurrent requests, one worker thread.
 
-Each request is a list of items (the queries of one ``/retrieve`` call, or one agent's
-search); requests are never split. A batch is sent to the worker when it holds
+Used by the retrieval server and the agent loop's searches (``fastcredit.retrieval``) and by
+the generation engines' async API (``fastcredit.rollout.engines``). Each request is a list
+of items (the queries of one ``/retrieve`` call, one agent's search, one generation);
+requests are never split. A batch is sent to the worker when it holds
 ``max_batch`` items or when its oldest request has waited ``timeout_ms``; while the worker
 runs, new requests queue and form the next batch, so the worker is never idle while work
 waits and a request never waits for more than one batch ahead of it plus the timeout.

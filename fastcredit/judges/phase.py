@@ -1,0 +1,125 @@
+"""The judge phase of a training step: critic labels, CW-GRPO verdicts or PRM outputs for the estimator.
+
+    backend = make_backend(cfg, policy_engine, device)
+    judges = build_judge_phase(cfg, backend, policy_engine)      # None when no judge runs
+    extras, metrics = judges.score(result, examples, reward_B)   # extra CreditInputs fields
+    hook = build_proceed_hook(cfg, backend, policy_engine, tokenizer)   # ProCeed rollouts, or None
+
+Which judge runs is what the estimator declared when it registered
+(``fastcredit.credit.estimator_needs``: ``critic``, ``round_judge`` or ``prm``); the backend
+is ``judges.backend`` (``oracle`` / ``http`` / ``colocated``). Everything comes in as an
+argument: the policy's rollout engine (the colocated self-critic and the ProCeed refiner),
+the device, the tokenizer and the config.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fastcredit.config import TrainConfig
+from fastcredit.credit.registry import estimator_needs
+
+
+def make_backend(cfg: TrainConfig, policy_engine, device: torch.device):
+    """The judge backend of ``judges.backend`` (None for ``none``)."""
+    from fastcredit.judges.backends import EngineBackend, HTTPBackend
+
+    j = cfg.judges
+    if j.backend == "none":
+        return None
+    if j.backend == "oracle":
+        if cfg.data.source != "toy":
+            raise ValueError("judges.backend=oracle answers from the toy world's gold facts: it needs data.source=toy")
+        from fastcredit.judges.oracle import OracleBackend
+
+        return OracleBackend()
+    if j.backend == "http":
+        return HTTPBackend(j.url, j.model or "judge", j.temperature, j.max_tokens, j.concurrency, j.timeout_s)
+    if not j.model:  # colocated self-critic: the policy's own engine
+        return EngineBackend(policy_engine, j.temperature, j.max_tokens)
+    from fastcredit.rollout.engines import make_engine
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(j.model, local_files_only=True)
+    lm = AutoModelForCausalLM.from_pretrained(j.model, local_files_only=True).to(device).eval()
+    return EngineBackend(make_engine(cfg.rollout.engine, lm, tok, cfg.rollout, device), j.temperature,
+                         j.max_tokens)
+
+
+class JudgePhase:
+    """Runs the judge the estimator needs after each rollout.
+
+    ``engine``: the judge's own colocated engine, which the phase manager wakes for this
+    phase (None when the judge is the policy's engine, an HTTP server or the oracle).
+    """
+
+    def __init__(self, cfg: TrainConfig, backend, policy_engine):
+        from fastcredit.judges.runner import CriticSearchCritic, CWGRPOJudge
+
+        kind = estimator_needs(cfg.credit.estimator).judge
+        self.backend = backend
+        self.engine = getattr(backend, "engine", None)
+        if self.engine is policy_engine:
+            self.engine = None  # the policy's engine: the phase manager already keeps it awake for rollouts
+        self.critic = CriticSearchCritic(backend, cfg.credit.critic.retries, cfg.credit.criticsearch.gold_answer) \
+            if kind == "critic" else None
+        self.judge = CWGRPOJudge(backend, cfg.credit.critic.retries) if kind == "round_judge" else None
+        self.prm = cfg.judges.prm if kind == "prm" else None
+        if self.prm not in (None, "oracle"):
+            raise ValueError(f"judges.prm={self.prm!r}: only 'oracle' (the toy world's gold facts) is available; "
+                             "a trained PRM cannot be loaded yet")
+
+    def score(self, result, examples, reward: torch.Tensor) -> tuple[dict, dict]:
+        """``(extras, metrics)``: the judge's CreditInputs fields and its parse / failure statistics."""
+        from fastcredit.judges.runner import run_sync
+        from fastcredit.judges.types import items_from_rollout
+
+        extras, metrics = {}, {}
+        if self.critic is None and self.judge is None and self.prm is None:
+            return extras, metrics
+        items = items_from_rollout(result.episodes, examples, result.batch.em_B.tolist(), result.batch.predictions)
+        if self.critic is not None:
+            label, ok, stats = run_sync(self.critic.score(items))
+            extras.update(critic_label_S=label, critic_ok_B=ok)
+            metrics.update({f"critic/{k}": float(v) for k, v in stats.items()})
+        if self.judge is not None:
+            success = (reward > 0).tolist()  # the released code judges only rewarded trajectories
+            u, v, ok, stats = run_sync(self.judge.score(items, success))
+            extras.update(judge_u_S=u, judge_v_S=v, judge_ok_B=ok)
+            metrics.update({f"judge/{k}": float(x) for k, x in stats.items()})
+        if self.prm == "oracle":
+            from fastcredit.judges.oracle import oracle_prm
+
+            f0, f = oracle_prm(examples, result.episodes)
+            extras.update(prm_f0_B=f0, prm_f_S=f)
+        return extras, metrics
+
+
+def build_judge_phase(cfg: TrainConfig, backend, policy_engine) -> Optional[JudgePhase]:
+    """The run's judge phase, or None when there is neither a backend nor a PRM."""
+    return JudgePhase(cfg, backend, policy_engine) if backend is not None or cfg.judges.prm else None
+
+
+def build_proceed_hook(cfg: TrainConfig, backend, policy_engine, tokenizer):
+    """The agent loop's ProCeed rewind-and-refine hook (``rollout.proceed.enabled``), or None.
+
+    The process critic asks ``backend`` (the policy's own engine when there is none); the
+    refiner is the policy's engine (``refiner=self``) or the judge's (``external``).
+    """
+    if not cfg.rollout.proceed.enabled:
+        return None
+    from fastcredit.judges.backends import EngineBackend
+    from fastcredit.judges.prompts import refine_prompt
+    from fastcredit.judges.runner import ProcessCritic
+    from fastcredit.judges.types import item_from_episode
+    from fastcredit.rollout.proceed import ProceedHook
+
+    critic_backend = backend or EngineBackend(policy_engine, cfg.judges.temperature, cfg.judges.max_tokens)
+    p = cfg.rollout.proceed
+    self_refine = p.refiner == "self"
+    refiner = policy_engine if self_refine else getattr(critic_backend, "engine", None)
+    if refiner is None:
+        raise ValueError("rollout.proceed.refiner=external needs a colocated judges.model to write refinements")
+    return ProceedHook(ProcessCritic(critic_backend, cfg.credit.critic.retries), refine_prompt, refiner, tokenizer,
+                       p.tau, p.max_rewinds, self_refine, describe=item_from_episode)

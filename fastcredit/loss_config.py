@@ -1,0 +1,24 @@
+"""Config section of the policy and value losses (``loss.*``), read by ``fastcredit.loss``.
+
+Equations: docs/methods.md §7. No torch import here: the config loader stays light.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from fastcredit.fields import opt
+
+
+@dataclass
+class LossConfig:
+    clip_low: float = opt(0.2, "ratio lower clip: 1 - clip_low")
+    clip_high: float = opt(0.2, "ratio upper clip: 1 + clip_high (DAPO: 0.28)")
+    dual_clip: Optional[float] = opt(None, "dual-clip constant c for negative advantages (e.g. 3.0); null: off")
+    kl_coef: float = opt(1e-3, "beta of the k3 KL to the reference policy")
+    kl_clamp: float = opt(10.0, "k3 KL is clamped to [-kl_clamp, kl_clamp]")
+    entropy_coef: float = opt(0.0, "eta of the entropy bonus -eta * H")
+    agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "turn-mean"] = opt("token-mean", "how token losses are averaged over the global batch")
+    value_clip: float = opt(0.2, "clip range of the value loss (ppo, pica)")
+    vf_coef: float = opt(0.5, "value-loss weight")
+    impl: Literal["auto", "triton", "torch"] = opt("auto", "fused ops (turn-surrogate loss, linear log-prob): Triton kernels on CUDA tensors, torch elsewhere; $FASTCREDIT_LOSS_IMPL overrides")
