@@ -1,7 +1,9 @@
-"""Building the trainer's parts from the config: data, tokenizer, models, retriever, engine, judges.
+"""Building the trainer's parts from the config: data, tokenizer, policy weights, retriever.
 
 Every function reads one section of :class:`fastcredit.config.TrainConfig` and returns a
-ready object; ``fastcredit.train`` wires them together. Nothing here downloads: models and
+ready object; :class:`fastcredit.trainer.Trainer` wires them together (the rollout engine
+comes from ``fastcredit.rollout.engines``, the judges from ``fastcredit.judges.phase``, the
+training engines from ``fastcredit.distributed.build``). Nothing here downloads: models and
 data are local paths, the toy world is generated, ``tiny`` models are built in code.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A random tiny policy never writes ``<search>…</search>``, so RL from scratch has no
 signal. The embedded default (and ``bench/bench_rollout.py``) first trains it on oracle
-trajectories of the toy world (``fastcredit.data.toyworld.oracle_actions``: each hop's
+trajectories of the toy world (``fastcredit.data.toyqa.oracle_actions``: each hop's
 gold sub-query, then the gold answer, each think quoting the fact just read), with
 observations as the retriever returns them, so the warm-started policy sees the same
 observation format in rollouts. The loss is the token cross-entropy on action tokens
@@ -26,7 +26,7 @@ Observer = Callable[[str], list[int]]
 def oracle_token_turns(example: QAExample, tokenizer, observe: Observer,
                        rng: Optional[random.Random] = None) -> list[tuple[list[int], list[int]]]:
     """``(action ids, observation ids)`` per turn of the oracle trajectory
-    (:func:`fastcredit.data.toyworld.oracle_actions`); the answer turn has no observation."""
+    (:func:`fastcredit.data.toyqa.oracle_actions`); the answer turn has no observation."""
     from fastcredit.data.toyqa import oracle_actions
 
     enc = lambda s: list(tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731

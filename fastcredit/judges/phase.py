@@ -58,7 +58,6 @@ class JudgePhase:
         from fastcredit.judges.runner import CriticSearchCritic, CWGRPOJudge
 
         kind = estimator_needs(cfg.credit.estimator).judge
-        self.backend = backend
         self.engine = getattr(backend, "engine", None)
         if self.engine is policy_engine:
             self.engine = None  # the policy's engine: the phase manager already keeps it awake for rollouts

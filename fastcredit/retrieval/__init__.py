@@ -12,6 +12,7 @@ server and client, and the CUDA ops they use.
     serve.py        python -m fastcredit.retrieval.serve   (POST /retrieve)
     client.py       RetrievalClient (retries, backoff)
     loadtest.py     python -m fastcredit.retrieval.loadtest
+    cli.py          the command-line flags build and serve share
     testing.py      tiny encoder / corpus / tokenizer for tests
 
 Importing this package is cheap: names below load their module on first use.
