@@ -94,3 +94,20 @@ def test_common_metrics_by_turn_kind():
 def test_grpo_reports_degenerate_groups():
     m = compute_advantages("grpo", _inputs(), CreditConfig()).metrics
     assert m["degenerate_group_frac"] == 0.0 and m["adv_mean/search"] > 0
+
+
+def test_each_estimator_declares_what_it_needs():
+    from fastcredit.credit import estimator_needs
+
+    table = {n: estimator_needs(n) for n in METHODS}
+    assert {n for n, x in table.items() if x.value_model} == {"ppo", "pica"}
+    assert {n: x.judge for n, x in table.items() if x.judge} == {"criticsearch": "critic", "cwgrpo": "round_judge",
+                                                                  "pica": "prm"}
+    assert [n for n, x in table.items() if x.proceed_rollout] == ["proceed"]
+    assert table["cwgrpo"].inputs == ("judge_u_S", "judge_v_S")
+    with pytest.raises(KeyError, match="valid: criticsearch"):
+        estimator_needs("gae")
+    with pytest.raises(ValueError, match="unknown judge kind"):
+        type(table["grpo"])(judge="oracle")
+    with pytest.raises(ValueError, match="unknown CreditInputs fields: judge_w_S"):
+        type(table["grpo"])(inputs=("judge_w_S",))
