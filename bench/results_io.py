@@ -38,3 +38,13 @@ def write_results(op: str, report: dict, out_dir: str = RESULTS_DIR) -> str:
         json.dump(report, f, indent=1)
     print(f"wrote {path}")
     return path
+
+
+if __name__ == "__main__":  # `python bench/results_io.py --slug`: this machine's device, as results files name it
+    import sys
+
+    import torch
+
+    if sys.argv[1:] != ["--slug"]:
+        sys.exit("usage: python bench/results_io.py --slug")
+    print(device_slug(device_name("cuda" if torch.cuda.is_available() else "cpu")))

@@ -7,6 +7,8 @@ import shutil
 from typing import Mapping, Optional
 
 ENV_FLAG = "FASTCREDIT_BUILD_CUDA"
+# Ampere, Hopper (H100 / H200), Blackwell, and PTX for what comes after; override with TORCH_CUDA_ARCH_LIST.
+CUDA_ARCHS = "8.0;9.0;10.0+PTX"
 
 
 def want_cuda_extension(root: str, env: Mapping[str, str] = os.environ, torch_cuda: Optional[str] = "probe") -> tuple[bool, str]:
@@ -37,3 +39,17 @@ def want_cuda_extension(root: str, env: Mapping[str, str] = os.environ, torch_cu
     if torch_cuda is None:
         return False, "torch is a CPU build"
     return True, f"nvcc and CUDA {torch_cuda} torch found"
+
+
+def forced_build_problem(torch_cuda: Optional[str] = "probe") -> Optional[str]:
+    """Why a build forced with ``FASTCREDIT_BUILD_CUDA=1`` cannot work here, or None (it can be tried)."""
+    if torch_cuda == "probe":
+        try:
+            import torch
+        except ImportError:
+            return ("torch is not importable in the build environment: build without isolation, "
+                    "pip install --no-build-isolation -e .")
+        torch_cuda = torch.version.cuda
+    if torch_cuda is None:
+        return "the installed torch is a CPU build; the extension needs a CUDA build of torch"
+    return None

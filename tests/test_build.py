@@ -54,3 +54,22 @@ def test_kernels_install_under_fastcredit_only():
 
     out = subprocess.run([sys.executable, "-c", "import kernels"], cwd="/", capture_output=True, text=True)
     assert out.returncode != 0
+
+
+def test_a_forced_build_says_why_it_cannot_work():
+    from fastcredit._build import forced_build_problem
+
+    assert "CPU build" in forced_build_problem(torch_cuda=None)
+    assert forced_build_problem(torch_cuda="13.0") is None
+
+
+def test_setup_with_a_forced_build_fails_loudly_on_a_cpu_torch():
+    """FASTCREDIT_BUILD_CUDA=1 never falls back silently: with a CPU torch setup.py stops and says why."""
+    import torch
+
+    env = dict(os.environ, FASTCREDIT_BUILD_CUDA="1")
+    out = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, env=env, capture_output=True, text=True)
+    if torch.version.cuda is None:
+        assert out.returncode != 0 and "the installed torch is a CPU build" in out.stderr
+    else:  # a CUDA torch: the extension is declared, and the arch list includes Hopper
+        assert out.returncode == 0 and "TORCH_CUDA_ARCH_LIST=" in out.stdout and "9.0" in out.stdout

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Everything GPU-side in one command: bash bench/gpu_check.sh OUTDIR   (or: make gpu-check)
+#
+# Stages, each under `timeout`, each writing into OUTDIR as it goes (a stage that times out
+# loses nothing written before it): env -> build the CUDA extension -> GPU tests and the kernel
+# tests compiled -> kernel benchmarks and targets -> three trainer steps -> an nsys profile ->
+# summary.md. Exit status 1 when any stage or target fails. Wheels placed in bench/wheels/ (or
+# $GPU_CHECK_WHEELS) are installed first with --no-deps (liger-kernel, nvtx, ... on a bare image).
+# On a machine without CUDA the same command runs quick shapes under the Triton interpreter and
+# reports the stages that need CUDA as "not run".
+set -uo pipefail
+OUT=${1:?usage: bash bench/gpu_check.sh OUTDIR}
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+mkdir -p "$OUT/work"
+OUT=$(cd "$OUT" && pwd)
+STAGE_TIMEOUT=${GPU_CHECK_STAGE_TIMEOUT:-900}
+export OUT PY STAGE_TIMEOUT
+
+has_cuda() { "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
+record() {  # stage status reason
+  "$PY" -c "import sys, json; json.dump({'stage': sys.argv[1], 'status': sys.argv[2], 'reason': sys.argv[3]}, open(sys.argv[4], 'w'))" \
+    "$1" "$2" "$3" "$OUT/stage_$1.json"
+  echo "[gpu-check] $1: $2${3:+ ($3)}"
+}
+export -f record
+run_stage() {  # name, then a command or an exported function; a timeout or crash without a record is a failure
+  local name=$1; shift
+  rm -f "$OUT/stage_$name.json"
+  timeout "$STAGE_TIMEOUT" bash -c '"$@"' "$name" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  if [ ! -f "$OUT/stage_$name.json" ]; then
+    if [ "$rc" = 124 ]; then record "$name" failed "timed out after ${STAGE_TIMEOUT} s"; else record "$name" failed "exit $rc"; fi
+  fi
+}
+
+WHEELS=${GPU_CHECK_WHEELS:-bench/wheels}
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-deps "$WHEELS"/*.whl 2>&1 | tail -3
+fi
+if has_cuda; then CUDA=1; QUICK=""; else
+  CUDA=0; QUICK="--quick"; export TRITON_INTERPRET=1
+  echo "[gpu-check] no CUDA device: quick shapes under the Triton interpreter; CUDA stages are not run"
+fi
+
+run_stage env "$PY" bench/gpu_check.py env "$OUT"
+
+if [ "$CUDA" = 1 ]; then
+  build() {
+    FASTCREDIT_BUILD_CUDA=1 "$PY" -m pip install --no-deps --no-build-isolation -e . \
+      && "$PY" -c "import fastcredit._C" \
+      && record build passed "fastcredit._C built and loaded" || record build failed "see build.log"
+  }
+  export -f build
+  run_stage build build
+  tests() {
+    local timeout_flag=""
+    "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_flag="--timeout=300"
+    "$PY" -m pytest -q -p no:cacheprovider $timeout_flag -o faulthandler_timeout=300 --junitxml "$OUT/tests_kernels.xml" \
+      tests/kernels tests/retrieval/test_retrieval_ops.py tests/test_build.py
+    local a=$?
+    "$PY" -m pytest -q -p no:cacheprovider -m gpu $timeout_flag -o faulthandler_timeout=300 --junitxml "$OUT/tests_gpu.xml" \
+      tests --ignore=tests/kernels --ignore=tests/retrieval/test_retrieval_ops.py
+    local b=$?
+    if [ $a = 0 ] && [ $b = 0 ]; then record tests passed "junit: tests_kernels.xml, tests_gpu.xml"
+    else record tests failed "pytest exit $a (kernels, retrieval ops, build) / $b (-m gpu)"; fi
+  }
+  export -f tests
+  run_stage tests tests
+else
+  record build "not run" "needs CUDA"
+  record tests "not run" "needs CUDA (the kernel tests run under the interpreter in make test)"
+fi
+
+run_stage kernels "$PY" bench/gpu_check.py kernels "$OUT" $QUICK
+run_stage train "$PY" bench/gpu_check.py train "$OUT" $QUICK
+
+if [ "$CUDA" = 1 ] && command -v nsys >/dev/null; then
+  nsys_stage() {
+    nsys profile -o "$OUT/work/profile" --force-overwrite true -t cuda,nvtx --capture-range=cudaProfilerApi \
+      --capture-range-end=stop "$PY" -m fastcredit.train --config configs/debug.yaml --profile \
+      "logging.output_dir=$OUT/work/train_nsys" "data.world_dir=$OUT/work/world" optim.total_steps=4 \
+      eval.questions=0 data.toy.num_questions=200 logging.checkpoint_every=0 \
+      && nsys stats -q -r cuda_gpu_kern_sum,nvtx_sum -f csv -o "$OUT/profile" "$OUT/work/profile.nsys-rep" \
+      && record nsys passed "profile_cuda_gpu_kern_sum.csv, profile_nvtx_sum.csv (the report: work/)" \
+      || record nsys failed "see nsys.log"
+  }
+  export -f nsys_stage
+  run_stage nsys nsys_stage
+else
+  record nsys "not run" "$([ "$CUDA" = 1 ] && echo 'nsys is not on PATH' || echo 'needs CUDA')"
+fi
+
+"$PY" bench/gpu_check.py summary "$OUT"

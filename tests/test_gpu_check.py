@@ -1,0 +1,51 @@
+"""``make gpu-check`` proves itself on a CPU: the same script, quick shapes under the Triton interpreter,
+CUDA stages reported as "not run" (never "passed"); and its targets can fail."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from gpu_check import check_targets  # noqa: E402
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_on_a_cpu(tmp_path):
+    out = tmp_path / "check"
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    status = {p.stem[6:]: json.load(open(p))["status"] for p in out.glob("stage_*.json")}
+    assert status == {"env": "passed", "build": "not run", "tests": "not run", "kernels": "passed",
+                      "train": "passed", "nsys": "not run"}
+    env = json.load(open(out / "env.json"))
+    assert env["cuda_available"] is False and "torch" in env and "vllm" in env["packages"]
+    rows = [json.loads(line) for line in open(out / "kernels.jsonl")][1:]
+    assert {(r["op"], r["provider"]) for r in rows} == {("turn_surrogate", "torch"), ("turn_surrogate", "triton"),
+                                                        ("linear_logprob", "torch"), ("linear_logprob", "triton")}
+    assert all(r["status"] == "ok" and r["python_ms"] > 0 and r["graph_ms"].startswith("not run") for r in rows)
+    assert {t["status"] for t in json.load(open(out / "targets.json"))} == {"not run"}
+    steps = json.load(open(out / "step_times.json"))["engines"]["hf"]["steps"]
+    assert [s["step"] for s in steps] == [1, 2, 3] and all(s["time/step"] > 0 for s in steps)
+    summary = (out / "summary.md").read_text()
+    assert "| kernels | passed |" in summary and "not run" in summary
+
+
+def _row(op, shape, provider, ms, **kw):
+    return {"op": op, "shape": shape, "provider": provider, "status": "ok", "python_ms": ms, "graph_ms": ms, **kw}
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_targets_pass_and_fail_on_the_numbers(fast):
+    rows = [_row("turn_surrogate", "N8M", "torch", 10.0),
+            _row("turn_surrogate", "N8M", "triton", 1.0 if fast else 4.0, frac_of_copy_bw=0.8 if fast else 0.3),
+            _row("linear_logprob", "qwen2.5-3b-N8k", "matmul", 10.0),
+            _row("linear_logprob", "qwen2.5-3b-N8k", "triton", 14.0 if fast else 16.0, peak_bytes=10),
+            _row("linear_logprob", "qwen2.5-3b-N8k", "torch", 30.0, peak_bytes=100 if fast else 50)]
+    got = {t["name"]: t["status"] for t in check_targets(rows, cuda=True)}
+    assert set(got.values()) == {"PASS" if fast else "FAIL"}, got
+    assert {t["status"] for t in check_targets(rows, cuda=False)} == {"not run"}
