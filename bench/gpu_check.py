@@ -269,8 +269,8 @@ def stage_summary(out: str, quick: bool) -> int:
     stages = []
     for name in ("env", "build", "tests", "kernels", "train", "nsys"):
         path = os.path.join(out, f"stage_{name}.json")
-        stages.append(json.load(open(path)) if os.path.exists(path) else
-                      {"stage": name, "status": "failed", "reason": "did not finish (timed out or crashed)"})
+        missing = {"stage": name, "status": "failed", "reason": "no result in OUTDIR (not run yet, timed out or crashed)"}
+        stages.append(json.load(open(path)) if os.path.exists(path) else missing)
     env = json.load(open(os.path.join(out, "env.json"))) if os.path.exists(os.path.join(out, "env.json")) else {}
     targets = json.load(open(os.path.join(out, "targets.json"))) if os.path.exists(os.path.join(out, "targets.json")) else []
     lines = [f"# gpu-check: {env.get('gpu', 'no CUDA device')}", "",

@@ -49,3 +49,12 @@ def test_targets_pass_and_fail_on_the_numbers(fast):
     got = {t["name"]: t["status"] for t in check_targets(rows, cuda=True)}
     assert set(got.values()) == {"PASS" if fast else "FAIL"}, got
     assert {t["status"] for t in check_targets(rows, cuda=False)} == {"not run"}
+
+
+def test_a_check_split_over_two_runs_is_not_a_pass_until_every_stage_ran(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_STAGES": "env build"}
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 1 and "FAILED: tests, kernels, train, nsys" in proc.stdout
+    assert "| kernels | failed | no result in OUTDIR" in (tmp_path / "summary.md").read_text()
+    assert json.load(open(tmp_path / "stage_build.json"))["status"] == "not run"
