@@ -1,13 +1,13 @@
 """The stages of ``make gpu-check`` (driven by ``bench/gpu_check.sh``), one per call, each writing into OUTDIR.
 
     python bench/gpu_check.py env     OUT           # env.json: GPU, driver, torch / CUDA, optional packages
-    python bench/gpu_check.py kernels OUT [--quick] # kernels.jsonl (a line per case as it finishes), targets.json
-    python bench/gpu_check.py train   OUT [--quick] # three trainer steps: step_times.json
+    python bench/gpu_check.py kernels OUT           # kernels.jsonl (a line per case as it finishes), targets.json
+    python bench/gpu_check.py train   OUT           # three trainer steps: step_times.json
     python bench/gpu_check.py summary OUT           # summary.md; exit 1 on any failed stage or target
 
 Every stage records ``stage_<name>.json``: ``passed``, ``failed`` or ``not run`` with the reason
 (a stage that needs CUDA or a package that is absent is "not run", never "passed"). On a CPU
-the kernel cases run under the Triton interpreter at quick shapes (the script proves itself);
+the kernel cases run under the Triton interpreter at tiny shapes (the script proves itself);
 their timings are not figures and the targets are "not run".
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def stage_env(out: str, quick: bool) -> None:
+def stage_env(out: str) -> None:
     import torch
 
     env = {"python": sys.version.split()[0], "torch": torch.__version__, "torch_cuda": torch.version.cuda,
@@ -111,7 +111,7 @@ def _peak_bytes(fn, cuda: bool):
     return int(torch.cuda.max_memory_allocated() - base)
 
 
-def _cases(quick: bool, cuda: bool):
+def _cases(cuda: bool):
     """(op, shape, provider, mode, callable, bytes, flops) for the turn surrogate and the fused log-prob."""
     import torch
     from bench_linear_logprob import gemm_flops, logprob_case, make_inputs
@@ -137,7 +137,7 @@ def _cases(quick: bool, cuda: bool):
                    gemm_flops(provider, "fwd+bwd", shape.tokens, shape.vocab, shape.hidden))
 
 
-def stage_kernels(out: str, quick: bool) -> None:
+def stage_kernels(out: str) -> None:
     cuda = _cuda()
     python_ms, graph_ms = _timers(cuda)
     ceilings = {}
@@ -148,7 +148,7 @@ def stage_kernels(out: str, quick: bool) -> None:
     rows, failures = [], 0
     with open(os.path.join(out, "kernels.jsonl"), "w") as f:
         f.write(json.dumps({"ceilings": ceilings, "device": "cuda" if cuda else "cpu (Triton interpreter)"}) + "\n")
-        for op, shape, provider, mode, fn, nbytes, flops in _cases(quick, cuda):
+        for op, shape, provider, mode, fn, nbytes, flops in _cases(cuda):
             row = {"op": op, "shape": shape, "provider": provider, "mode": mode}
             try:
                 row["peak_bytes"] = _peak_bytes(fn, cuda)
@@ -232,7 +232,7 @@ def random_policy(work: str, cuda: bool) -> str:
     return save_tiny_policy(lm, tokenizer, os.path.join(work, "policy"))
 
 
-def stage_train(out: str, quick: bool) -> None:
+def stage_train(out: str) -> None:
     """Three trainer steps (HF engine; vLLM too when it imports) on a random Qwen2 built in code."""
     cuda = _cuda()
     engines = ["hf"] + (["vllm"] if cuda and importlib.util.find_spec("vllm") else [])
@@ -265,7 +265,7 @@ def _fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else ("" if v is None else str(v))
 
 
-def stage_summary(out: str, quick: bool) -> int:
+def stage_summary(out: str) -> int:
     stages = []
     for name in ("env", "build", "tests", "kernels", "train", "nsys"):
         path = os.path.join(out, f"stage_{name}.json")
@@ -307,13 +307,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("stage", choices=("env", "kernels", "train", "summary"))
     p.add_argument("out")
-    p.add_argument("--quick", action="store_true", help="quick shapes (the CPU always uses them)")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     if a.stage == "summary":
-        return stage_summary(a.out, a.quick)
+        return stage_summary(a.out)
     try:
-        {"env": stage_env, "kernels": stage_kernels, "train": stage_train}[a.stage](a.out, a.quick)
+        {"env": stage_env, "kernels": stage_kernels, "train": stage_train}[a.stage](a.out)
     except Exception as exc:
         traceback.print_exc()
         record(a.out, a.stage, "failed", f"{type(exc).__name__}: {exc}"[:500])
