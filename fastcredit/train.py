@@ -6,10 +6,13 @@
     torchrun --nproc_per_node=8 -m fastcredit.train --config configs/cwgrpo.yaml distributed.engine=deepspeed  # ZeRO-3
     python -m fastcredit.train --config configs/debug.yaml --resume      # continue from the last checkpoint
     nsys profile --capture-range=cudaProfilerApi python -m fastcredit.train --profile ...
+    python -m fastcredit.train --config configs/criticsearch.yaml --memory-report --gpu-gib 80 --gpus 8
 
-``--help`` lists every config key. The training loop is :class:`fastcredit.trainer.Trainer`;
+``--memory-report`` prints the GPU memory budget of every phase (``fastcredit.memory``) and
+exits before anything loads: 0 when it fits, 2 when it cannot run.
+``--help`` lists these flags and every config key. The training loop is :class:`fastcredit.trainer.Trainer`;
 this module parses the command line, starts and ends the process group, and reports.
-Exit status: 0 done, 2 bad config, 3 stopped by the collapse guard.
+Exit status: 0 done, 2 bad config (or a memory report that cannot run), 3 stopped by the collapse guard.
 """
 from __future__ import annotations
 
@@ -23,16 +26,57 @@ from fastcredit.distributed.process_group import init_distributed, shutdown
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
 
 
+FLAGS = """python -m fastcredit.train [--config X.yaml] [key=value ...] [flags]
+  --resume              continue from the run directory's last checkpoint
+  --profile             CUDA profiler range around the steps (nsys --capture-range=cudaProfilerApi)
+  --memory-report       print the GPU memory budget of each phase and exit (nothing loads); exit 2 if it cannot run
+    --gpu-gib G         GPU size in GiB (default: the local GPU's, else 80)
+    --gpus N            GPUs, one rank each (default: WORLD_SIZE, else 1)
+    --index-rows N --index-dim D   retrieval index size when its file is not here
+"""
+# --memory-report's options and how each value is read
+REPORT_OPTIONS = {"--gpu-gib": float, "--gpus": int, "--index-rows": int, "--index-dim": int}
+
+
+def _report_flags(argv: list) -> tuple[Optional[dict], list]:
+    """Take --memory-report and its options out of ``argv``: (options or None, the rest)."""
+    opts, rest, args = {}, [], list(argv)
+    while args:
+        a = args.pop(0)
+        name, eq, value = a.partition("=")
+        if name in REPORT_OPTIONS:
+            if not eq:
+                if not args:
+                    raise ConfigError(f"{name} needs a value")
+                value = args.pop(0)
+            try:
+                opts[name] = REPORT_OPTIONS[name](value)
+            except ValueError:
+                raise ConfigError(f"{name} must be a number, got {value!r}") from None
+        elif a == "--memory-report":
+            opts["report"] = True
+        else:
+            rest.append(a)
+    if opts and "report" not in opts:
+        raise ConfigError(f"{', '.join(opts)} only apply with --memory-report")
+    return (opts or None), rest
+
+
 def main(argv: Optional[list] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(FLAGS)
     resume, profile = "--resume" in argv, "--profile" in argv
     argv = [a for a in argv if a not in ("--resume", "--profile")]
     try:
+        report, argv = _report_flags(argv)
         path, overrides = parse_cli(argv)
         cfg = load_config(path or DEFAULT_CONFIG, overrides)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    if report is not None:
+        return memory_report(cfg, report)
     from fastcredit.trainer import CollapseError, Trainer
 
     info = init_distributed(cfg.distributed.backend, cfg.distributed.shard_size)
@@ -49,6 +93,26 @@ def main(argv: Optional[list] = None) -> int:
         _report(trainer, summary)
     shutdown(info)
     return 0
+
+
+def memory_report(cfg, opts: dict) -> int:
+    """Print :func:`fastcredit.memory.format_plan` for ``cfg``; 0 when it can run, 2 otherwise. No process group,
+    model, data or index is touched (the GPU's size is the one CUDA query)."""
+    from fastcredit import memory
+
+    gpu_gib = opts.get("--gpu-gib")
+    if gpu_gib is None:
+        import torch
+
+        gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+    gpus = opts.get("--gpus") or int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        plan = memory.plan(cfg, gpu_gib, gpus, index_rows=opts.get("--index-rows"), index_dim=opts.get("--index-dim"))
+    except memory.ShapeError as exc:
+        print(f"memory report: {exc}", file=sys.stderr)
+        return 2
+    print(memory.format_plan(plan))
+    return 0 if plan.ok else 2
 
 
 def _report(trainer, summary: dict) -> None:

@@ -69,8 +69,9 @@ class Trainer:
         self.tokenizer = C.load_tokenizer(cfg, self.data, self.out_dir, info.rank)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.searcher, self.retriever = C.make_searcher(cfg, self.tokenizer, self.data.corpus,
-                                                        progress=cfg.logging.progress and info.is_main)
-        self.memory: dict = {}  # GPU memory at the last phase boundary, logged with each step
+                                                        progress=cfg.logging.progress and info.is_main,
+                                                        device=info.device)
+        self.memory: dict = {}  # GPU memory at each phase boundary of the step, logged with it
         self._build_models()
         self._build_rollout()
         self.step, self.opt_steps, self.rollbacks = 0, 0, 0
@@ -84,26 +85,47 @@ class Trainer:
             write_line(text)
 
     def _build_models(self) -> None:
+        """Policy (and value model) as fp32 master weights sharded by the training engine; the reference policy
+        as a frozen copy in the compute dtype, sharded the same way and on the device only while it is used."""
         from fastcredit.actor import PolicyModel, ValueModel
-        from fastcredit.distributed.build import build_train_engine
+        from fastcredit.distributed.build import build_train_engine, compute_dtype
         from fastcredit.distributed.engine import adamw
+        from fastcredit.distributed.fsdp import FrozenModel
 
-        cfg, dev, o = self.cfg, self.info.device, self.cfg.optim
-        lm = C.load_policy(cfg, self.tokenizer, dev)
+        cfg, o = self.cfg, self.cfg.optim
+        lm = C.load_policy(cfg, self.tokenizer)
+        self.warm_started = cfg.warmstart.enabled
         if cfg.warmstart.enabled:
             self._warm_start(lm)
-        self.engine_lm = C.frozen_copy(lm)  # the rollout engine's own weights, synced after each update
+            lm.cpu()
+        self.compute_dtype = compute_dtype(cfg.distributed, self.info, cfg.model.dtype)
         impl = cfg.loss.impl
-        self.ref = PolicyModel(C.frozen_copy(lm), impl) if cfg.loss.kl_coef or cfg.credit.kl_in_reward else None
+        # The rollout engine's weights: the HF engine's own copy in the compute dtype; vLLM loads a folder.
+        self.engine_lm = C.frozen_copy(lm, self.compute_dtype) if cfg.rollout.engine == "hf" else None
+        self.ref = FrozenModel(PolicyModel(C.frozen_copy(lm, self.compute_dtype), impl), self.info) \
+            if cfg.loss.kl_coef or cfg.credit.kl_in_reward else None
         # copied before the policy's engine shards lm (ZeRO-3 leaves empty placeholders behind)
         value_lm = C.frozen_copy(lm).requires_grad_(True).train() if estimator_needs(cfg.credit.estimator).value_model \
             else None
+        self.vllm_folder = self._vllm_folder(lm) if cfg.rollout.engine == "vllm" else None
         # self.policy / self.value: TrainEngines (callable like the models they wrap)
         self.policy = build_train_engine(PolicyModel(lm, impl), self.info, cfg.distributed,
-                                         adamw(lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay), o.grad_clip)
+                                         adamw(lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay), o.grad_clip,
+                                         self.compute_dtype)
         self.value = None if value_lm is None else build_train_engine(
             ValueModel(value_lm), self.info, cfg.distributed, adamw(lr=o.critic_lr, weight_decay=o.weight_decay),
-            o.grad_clip)
+            o.grad_clip, self.compute_dtype)
+
+    def _vllm_folder(self, lm) -> str:
+        """The folder vLLM starts from: the policy's own when its weights are as loaded, else a saved copy
+        (tiny / packaged / warm-started policies; rank 0 writes, one folder per rank for simplicity)."""
+        if os.path.isdir(self.cfg.model.policy) and not self.warm_started:
+            return self.cfg.model.policy
+        from fastcredit.models.tiny import save_tiny_policy
+
+        folder = os.path.join(self.out_dir, f"engine_weights_rank{self.info.rank}")
+        save_tiny_policy(lm, self.tokenizer, folder)
+        return folder
 
     def _warm_start(self, lm) -> None:
         """SFT on oracle trajectories; observations come from the run's own searcher, as in rollouts."""
@@ -129,21 +151,54 @@ class Trainer:
         from fastcredit.rollout.engines import make_engine
 
         cfg, dev = self.cfg, self.info.device
-        self.engine = make_engine(cfg.rollout.engine, self.engine_lm, self.tokenizer, cfg.rollout, device=dev)
-        backend = make_backend(cfg, self.engine, dev)
+        train_state = [self.policy] + ([self.value] if self.value is not None else [])
+        self._state_offloaded = False  # _engine_memory offloads it to measure what a rollout has free
+        kw = {}
+        if cfg.rollout.engine == "vllm":
+            kw = {"model_path": self.vllm_folder, "memory_utilization": self._engine_memory(train_state)}
+        self.engine = make_engine(cfg.rollout.engine, self.engine_lm, self.tokenizer, cfg.rollout, device=dev, **kw)
+        self.engine_lm = None  # the engine owns its weights now
+        backend = make_backend(cfg, self.engine, dev, policy_config=self.policy.module.lm.config)
         self.proceed_hook = build_proceed_hook(cfg, backend, self.engine, self.tokenizer)
         self.judges = build_judge_phase(cfg, backend, self.engine)
-        self.phases = PhaseManager(self.engine, getattr(self.judges, "engine", None),
-                                   [self.policy] + ([self.value] if self.value is not None else []),
+        self.phases = PhaseManager(self.engine, getattr(self.judges, "engine", None), train_state,
                                    self.info.device, cfg.rollout.sleep_level, cfg.judges.sleep_level,
-                                   cfg.distributed.colocate, sync_fn=self._sync_weights, log=self._log_memory)
+                                   cfg.distributed.colocate, sync_fn=self._sync_weights, log=self._log_memory,
+                                   judge_weights=getattr(backend, "weights", None),
+                                   train_on_device=not self._state_offloaded)
+
+    def _engine_memory(self, train_state) -> float:
+        """vLLM's ``gpu_memory_utilization``: a fixed fraction checked against what is free, or (0) what is free
+        once the training state is off the GPU, as during every rollout (``fastcredit.memory``)."""
+        from fastcredit import memory
+
+        r, dev = self.cfg.rollout, self.info.device
+        if dev.type != "cuda":
+            return r.gpu_memory_utilization
+        if self.cfg.distributed.colocate:
+            for engine in train_state:
+                engine.offload()
+            torch.cuda.empty_cache()
+            self._state_offloaded = True
+        free, total = torch.cuda.mem_get_info(dev)
+        if r.gpu_memory_utilization > 0:
+            memory.check_fixed_utilization(r.gpu_memory_utilization, free, total)
+            util = r.gpu_memory_utilization
+        else:
+            shape = memory.ModelShape.from_folder(self.vllm_folder)
+            util = memory.engine_memory_utilization(free, total, r.memory_margin_gib * 2**30,
+                                                    shape.params * 2, memory.kv_bytes_per_token(shape) *
+                                                    (self.cfg.data.max_prompt_tokens + r.max_response_tokens))
+        self.say(f"vLLM gpu_memory_utilization {util:.2f}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free "
+                  f"with the training state offloaded, margin {r.memory_margin_gib:g} GiB")
+        return util
 
     def _sync_weights(self, policy) -> None:
-        self.engine.update_weights(policy.full_state())
+        self.engine.update_weights(policy.full_state(self.engine.weight_dtype))
 
     def _log_memory(self, boundary: str, mem: dict) -> None:
         if mem and self.info.is_main:
-            self.memory = {f"memory/{boundary}/{k}": v for k, v in mem.items()}
+            self.memory.update({f"memory/{boundary}/{k}": v for k, v in mem.items()})
 
     def _max_over_ranks(self, n: int) -> int:
         return max_over_ranks(n, self.info)
@@ -268,8 +323,9 @@ class Trainer:
         with self.timer.phase("logprobs"), self.phases.train():
             old, ent = forward_logprobs(self.policy, prompts, batch, self.pad_id, info.device, mt,
                                         cfg.rollout.temperature, self._max_over_ranks)
-            ref = forward_logprobs(self.ref, prompts, batch, self.pad_id, info.device, mt, cfg.rollout.temperature,
-                                   self._max_over_ranks)[0] if self.ref is not None else None
+            with self.phases.using(self.ref):
+                ref = forward_logprobs(self.ref, prompts, batch, self.pad_id, info.device, mt, cfg.rollout.temperature,
+                                       self._max_over_ranks)[0] if self.ref is not None else None
             values = forward_values(self.value, prompts, batch, self.pad_id, info.device, mt,
                                     self._max_over_ranks) if self.value is not None else None
         with self.timer.phase("advantage"):
@@ -289,9 +345,11 @@ class Trainer:
         metrics = self._average(metrics)
         seconds = self.timer.reset()
         metrics.update({f"time/{k}": v for k, v in seconds.items()})
+        metrics.update({f"time/colocate/{k}": v for k, v in self.phases.take_timings().items()})
         metrics["time/step"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = float(self._reduce(torch.tensor([tokens], dtype=torch.float64))) / metrics["time/step"]
         metrics.update(self.memory)
+        self.memory = {}
         return metrics
 
     def _average(self, metrics: dict) -> dict:
@@ -354,7 +412,8 @@ class Trainer:
             self.say(f"--resume: no checkpoint in {self.ckpt_dir}; starting from step 0")
             return False
         models, optims, engines = self._checkpointed()
-        state = load_checkpoint(path, models, optims, engines=engines)
+        with self.phases.train():  # loaded where the training state lives while it trains
+            state = load_checkpoint(path, models, optims, engines=engines)
         self.step, self.opt_steps = state["step"], state["opt_steps"]
         self.rollbacks = state.get("rollbacks", 0)
         self.sampler = PromptSampler(len(self.data.train), self.cfg.seed, **state["data"])

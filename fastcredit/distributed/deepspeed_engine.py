@@ -27,7 +27,10 @@ Weight sync gathers one ZeRO-3 parameter at a time (``GatheredParameters``) and 
 names, like :func:`fastcredit.distributed.fsdp.stream_full_state`. Checkpoints use the
 engine's ``save_checkpoint`` / ``load_checkpoint`` inside fastcredit's atomic step folder.
 Colocation moves the state off the GPU with DeepSpeed's ``offload_states`` /
-``reload_states``.
+``reload_states``, in the phase manager's order (the weight sync gathers from the GPU, then
+the state leaves). Against FSDP2 it keeps the same fp32 master weights and moments but adds
+a bf16 copy of its parameter partitions (2 bytes per parameter, over the ranks at stage 3,
+whole at stage 2); its compute dtype is always bf16 (``model.dtype=float16`` is not honoured).
 
 On a CPU (gloo) DeepSpeed's CPU accelerator works without IPEX / oneCCL, but its first
 process group JIT-compiles a shared-memory comm op (~27 s once per machine, cached in
@@ -58,7 +61,7 @@ from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum  # noqa: 
 
 from fastcredit.distributed.engine import (  # noqa: E402
     OptimizerFactory, TrainEngine, apply_activation_checkpointing, hf_name, move_optimizer_state)
-from fastcredit.distributed.process_group import DistInfo  # noqa: E402
+from fastcredit.distributed.process_group import DistInfo, one_process_group  # noqa: E402
 
 
 def deepspeed_config(world_size: int, zero_stage: int, bf16: bool, cpu_offload: bool, grad_clip: float) -> dict:
@@ -87,18 +90,6 @@ def deepspeed_config(world_size: int, zero_stage: int, bf16: bool, cpu_offload: 
     return cfg
 
 
-def _ensure_process_group(info: DistInfo) -> None:
-    """DeepSpeed needs a process group and ``LOCAL_RANK`` even on one process (torchrun sets both)."""
-    if dist.is_initialized():
-        return
-    if info.distributed:
-        raise RuntimeError("init_distributed() must run before wrap_deepspeed() under torchrun")
-    # A private in-memory store: one process needs no rendezvous address or port.
-    dist.init_process_group("nccl" if info.device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                            world_size=1)
-    os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
-
-
 def wrap_deepspeed(module: nn.Module, info: DistInfo, make_optimizer: OptimizerFactory, zero_stage: int = 3,
                    mixed_precision: bool = True, cpu_offload: bool = False, activation_checkpointing: bool = False,
                    grad_clip: float = 1.0, overrides: Optional[dict] = None) -> "DeepSpeedEngine":
@@ -109,7 +100,7 @@ def wrap_deepspeed(module: nn.Module, info: DistInfo, make_optimizer: OptimizerF
     """
     if activation_checkpointing:
         apply_activation_checkpointing(module)
-    _ensure_process_group(info)
+    one_process_group(info)
     deepspeed.utils.logger.setLevel(logging.WARNING)  # its per-init INFO lines drown the step table
     bf16 = bool(mixed_precision) and info.device.type == "cuda"
     cfg = deepspeed_config(dist.get_world_size(), zero_stage, bf16, cpu_offload, grad_clip)

@@ -1,7 +1,8 @@
 """FSDP2: ``fully_shard`` wrapping, full-tensor streaming for the weight sync, and the FSDP2 training engine.
 
-:func:`wrap_fsdp2` applies ``fully_shard`` to every decoder layer and then to the root,
-with bf16 compute / fp32 reduction (``mixed_precision``), optional parameter and
+:func:`wrap_fsdp2` applies ``fully_shard`` to every decoder layer and then to the root
+(on one process too: the sharded parameters are the fp32 master weights), with bf16
+compute / fp32 reduction (``mixed_precision``), optional parameter and
 optimizer-state offload to the CPU (``cpu_offload``) and activation checkpointing of the
 decoder layers (``activation_checkpointing``). :func:`stream_full_state` yields full
 tensors one at a time (each FSDP2 DTensor gathered with ``full_tensor()``), the weight
@@ -17,23 +18,29 @@ from torch import nn
 
 from fastcredit.distributed.engine import (TrainEngine, apply_activation_checkpointing, decoder_layers, hf_name,
                                            move_optimizer_state)
-from fastcredit.distributed.process_group import DistInfo
+from fastcredit.distributed.process_group import DistInfo, one_process_group
 
 
-def wrap_fsdp2(model: nn.Module, info: DistInfo, mixed_precision: bool = True, cpu_offload: bool = False,
+def wrap_fsdp2(model: nn.Module, info: DistInfo, param_dtype: Optional[torch.dtype] = None, cpu_offload: bool = False,
                activation_checkpointing: bool = False) -> nn.Module:
-    """``fully_shard`` per decoder layer, then the root; on one process only checkpointing applies."""
-    if activation_checkpointing:
-        apply_activation_checkpointing(model)
-    if not info.distributed:
-        return model
+    """``fully_shard`` per decoder layer, then the root, on every world size (one process too).
+
+    The module's own parameters are the master weights and stay as loaded (fp32 for a
+    trained model); ``param_dtype`` (bf16 on CUDA) is the dtype FSDP2 gathers them into for
+    forward and backward, gradients are reduced and kept in fp32 (``reduce_dtype``), and the
+    optimizer, built over the sharded fp32 parameters, keeps fp32 state. Sharding moves the
+    shards onto the mesh's device.
+    """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    kw = {"mesh": info.mesh}
-    if mixed_precision and info.device.type == "cuda":
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    info = one_process_group(info)
+    kw: dict = {"mesh": info.mesh}
+    if param_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     if cpu_offload:
-        kw["offload_policy"] = CPUOffloadPolicy()
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=info.device.type == "cuda")
     for layer in decoder_layers(model):  # the checkpoint wrappers, when checkpointing applied
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
@@ -44,19 +51,30 @@ def stream_full_state(model: nn.Module, dtype: Optional[torch.dtype] = None) -> 
     """``(name, full tensor)`` one parameter / buffer at a time, HF names (wrappers' prefixes removed).
 
     Collective under FSDP2: every rank must iterate (each ``full_tensor()`` all-gathers one
-    tensor), so peak extra memory is one unsharded tensor, not the model.
+    tensor), so peak extra memory is one unsharded tensor, not the model. The shards must be
+    on the training device (NCCL cannot gather CPU shards): the phase manager syncs before
+    it offloads the training state.
     """
     for name, t in model.state_dict().items():
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)  # the local shard first: the all-gather then moves bf16, not fp32
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
-        yield hf_name(name), (t.to(dtype) if dtype is not None and t.is_floating_point() else t).detach()
+        yield hf_name(name), t.detach()
 
 
 class FSDP2Engine(TrainEngine):
-    """A ``wrap_fsdp2`` model (plain on one process) and a ``torch.optim`` optimizer."""
+    """A ``wrap_fsdp2`` model and a ``torch.optim`` optimizer over its sharded fp32 parameters.
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device = torch.device("cpu")):
+    ``cpu_offload``: FSDP2's CPUOffloadPolicy already keeps the shards and the optimizer
+    state in CPU memory, so :meth:`offload` / :meth:`reload` have nothing to move.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device = torch.device("cpu"),
+                 cpu_offload: bool = False):
         self.model, self.module, self.optimizer, self.device = model, model, optimizer, device
+        self.cpu_offload = cpu_offload
+        self.on_device = True
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
@@ -81,12 +99,42 @@ class FSDP2Engine(TrainEngine):
         return stream_full_state(self.model.lm, dtype)
 
     def offload(self) -> None:
-        self.model.to("cpu")
-        move_optimizer_state(self.optimizer, "cpu")
+        if not self.cpu_offload:
+            self.model.to("cpu")  # FSDP2 moves the sharded parameters (and their gradients, freed here)
+            move_optimizer_state(self.optimizer, "cpu")
+        self.on_device = False
 
     def reload(self) -> None:
-        self.model.to(self.device)
-        move_optimizer_state(self.optimizer, self.device)
+        if not self.cpu_offload:
+            self.model.to(self.device)
+            move_optimizer_state(self.optimizer, self.device)
+        self.on_device = True
 
     def dcp_state(self) -> tuple[nn.Module, torch.optim.Optimizer]:
         return self.model, self.optimizer
+
+
+class FrozenModel:
+    """A frozen model (the reference policy) sharded like the trained one, on the device only while it is used.
+
+    Its parameters are already in the compute dtype (no master copy: it never changes), so
+    it costs ``2 P / W`` bytes per GPU in bf16, and none outside :meth:`reload` ..
+    :meth:`offload` (the phase manager's ``using``).
+    """
+
+    def __init__(self, module: nn.Module, info: DistInfo):
+        module.requires_grad_(False).eval()
+        self.module = wrap_fsdp2(module, info)
+        self.device = info.device
+        self.on_device = True
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def offload(self) -> None:
+        self.module.to("cpu")
+        self.on_device = False
+
+    def reload(self) -> None:
+        self.module.to(self.device)
+        self.on_device = True

@@ -64,13 +64,33 @@ def init_distributed(backend: str = "auto", shard_size: int = -1) -> DistInfo:
     return DistInfo(rank, world, local, device, backend, mesh)
 
 
+def one_process_group(info: DistInfo) -> DistInfo:
+    """``info`` with a process group and a 1-rank mesh also on one process (torchrun's world is left alone).
+
+    FSDP2's ``fully_shard`` (master weights held in fp32, compute in bf16) and DeepSpeed both
+    need a group even when there is nothing to shard across; a private in-memory store means
+    no rendezvous address or port. :func:`shutdown` destroys it like torchrun's.
+    """
+    if info.distributed:
+        return info
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if info.device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
+    if info.mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        info.mesh = init_device_mesh(info.device.type, (1,), mesh_dim_names=("dp",))
+    return info
+
+
 def shutdown(info: DistInfo, code: int = 0) -> None:
     """Destroy the process group and leave at once.
 
     NOTE: gloo's worker threads race the interpreter's shutdown and abort 10-20% of CPU
     runs after all work is done; ``os._exit`` right after the destroy avoids it.
     """
-    if dist.is_initialized():  # torchrun's group, or the one-process group DeepSpeed needs
+    if dist.is_initialized():  # torchrun's group, or the one-process group FSDP2 and DeepSpeed need
         dist.barrier()
         dist.destroy_process_group()
         sys.stdout.flush()

@@ -64,11 +64,26 @@ class HTTPBackend:
 
 
 class EngineBackend:
-    """A colocated engine with frozen weights (``generate_text``)."""
+    """A colocated engine (``generate_text``): the policy's own (a self-critic), the policy's with a critic's
+    ``weights`` switched in for the judge phase (``fastcredit.judges.switch``), or the critic's own HF engine.
 
-    def __init__(self, engine, temperature: float = 0.0, max_tokens: int = 1024):
+    ``tokenizer``: the critic's, when it is not the policy (its EOS ends a verdict); a
+    tokenizer with a chat template gets the prompt as one user turn, as an OpenAI-compatible
+    server (the ``http`` backend) would send it.
+    """
+
+    def __init__(self, engine, temperature: float = 0.0, max_tokens: int = 1024, tokenizer=None, weights=None):
         self.engine, self.temperature, self.max_tokens = engine, temperature, max_tokens
+        self.tokenizer, self.weights = tokenizer, weights
+
+    def _text(self, prompt: str) -> str:
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            return prompt
+        return tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                       add_generation_prompt=True)
 
     async def complete(self, requests: list[JudgeRequest]) -> list[Optional[str]]:
-        return list(await asyncio.to_thread(self.engine.generate_text, [r.prompt for r in requests], self.max_tokens,
-                                            self.temperature))
+        kw = {} if self.tokenizer is None else {"tokenizer": self.tokenizer}
+        return list(await asyncio.to_thread(self.engine.generate_text, [self._text(r.prompt) for r in requests],
+                                            self.max_tokens, self.temperature, **kw))

@@ -21,8 +21,15 @@ from fastcredit.config import TrainConfig
 from fastcredit.credit.registry import estimator_needs
 
 
-def make_backend(cfg: TrainConfig, policy_engine, device: torch.device):
-    """The judge backend of ``judges.backend`` (None for ``none``)."""
+def make_backend(cfg: TrainConfig, policy_engine, device: torch.device, policy_config=None):
+    """The judge backend of ``judges.backend`` (None for ``none``).
+
+    ``colocated`` with a ``judges.model`` of the policy's architecture (``policy_config``)
+    switches the critic's weights into the policy's engine for the judge phase
+    (``fastcredit.judges.switch``); a critic of another architecture, or one ProCeed needs
+    during the rollout itself, gets an HF engine of its own, and with ``rollout.engine=vllm``
+    is refused with the command that serves it in its own process instead.
+    """
     from fastcredit.judges.backends import EngineBackend, HTTPBackend
 
     j = cfg.judges
@@ -38,13 +45,29 @@ def make_backend(cfg: TrainConfig, policy_engine, device: torch.device):
         return HTTPBackend(j.url, j.model or "judge", j.temperature, j.max_tokens, j.concurrency, j.timeout_s)
     if not j.model:  # colocated self-critic: the policy's own engine
         return EngineBackend(policy_engine, j.temperature, j.max_tokens)
-    from fastcredit.rollout.engines import make_engine
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from fastcredit.judges.switch import CriticWeights, architecture_mismatch
 
-    tok = AutoTokenizer.from_pretrained(j.model, local_files_only=True)
-    lm = AutoModelForCausalLM.from_pretrained(j.model, local_files_only=True).to(device).eval()
-    return EngineBackend(make_engine(cfg.rollout.engine, lm, tok, cfg.rollout, device), j.temperature,
-                         j.max_tokens)
+    weights = CriticWeights.load(j.model, policy_engine.weight_dtype, pin=device.type == "cuda")
+    mismatch = architecture_mismatch(policy_config, weights.config) if policy_config is not None else "unknown policy"
+    during_rollout = cfg.rollout.proceed.enabled  # ProCeed asks its critic between the policy's own turns
+    if mismatch is None and not during_rollout:
+        return EngineBackend(policy_engine, j.temperature, j.max_tokens, tokenizer=weights.tokenizer, weights=weights)
+    why = "ProCeed's critic answers during the rollout" if during_rollout else \
+        f"its architecture differs from the policy's ({mismatch})"
+    if cfg.rollout.engine == "vllm":
+        raise ValueError(
+            f"judges.model={j.model}: {why}, so it cannot share the policy's vLLM engine, and a second vLLM engine "
+            "with sleep mode cannot run in the trainer's process. Serve it in its own process, e.g. "
+            f"`vllm serve {j.model} --host 127.0.0.1 --port 8001 --gpu-memory-utilization 0.3`, and set "
+            "judges.backend=http judges.url=http://127.0.0.1:8001/v1")
+    from fastcredit.rollout.engines import make_engine
+    from transformers import AutoModelForCausalLM
+
+    tok = weights.tokenizer
+    del weights  # the engine of its own loads the model itself
+    lm = AutoModelForCausalLM.from_pretrained(j.model, local_files_only=True, torch_dtype=policy_engine.weight_dtype)
+    return EngineBackend(make_engine("hf", lm.eval(), tok, cfg.rollout, device), j.temperature, j.max_tokens,
+                         tokenizer=tok)
 
 
 class JudgePhase:

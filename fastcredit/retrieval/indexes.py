@@ -238,12 +238,24 @@ def shard_bounds(n: int, num_shards: int) -> list[tuple[int, int]]:
     return [(s, min(n, s + step)) for s in range(0, n, step)]
 
 
-def _gpu_devices(num_shards: int) -> list[torch.device]:
-    count = torch.cuda.device_count()
+def shard_devices(first: int, num_shards: int, count: int) -> list[int]:
+    """CUDA device indices of an index's shards: ``num_shards`` consecutive devices from ``first`` (the
+    process's own: under torchrun each rank's copy starts on its own GPU), wrapping past the last;
+    ``num_shards <= 0``: all ``count`` visible devices (a standalone server)."""
+    if count < 1:
+        raise ValueError("no CUDA device is visible")
+    if not 0 <= first < count:
+        raise ValueError(f"device cuda:{first} is not one of the {count} visible CUDA devices")
     num = count if num_shards <= 0 else num_shards
     if num > count:
         raise ValueError(f"num_shards={num_shards} but only {count} CUDA devices are visible")
-    return [torch.device(f"cuda:{i}") for i in range(num)]
+    return [(first + i) % count for i in range(num)]
+
+
+def _gpu_devices(num_shards: int, device: torch.device) -> list[torch.device]:
+    """The shards' devices from ``device`` (a bare "cuda": the current device, which torchrun ranks set)."""
+    first = device.index if device.index is not None else torch.cuda.current_device()
+    return [torch.device(f"cuda:{i}") for i in shard_devices(first, num_shards, torch.cuda.device_count())]
 
 
 def _faiss_gpu_shard(vectors: np.ndarray, device: torch.device, fp16: bool) -> FaissIndex:
@@ -259,10 +271,11 @@ def _faiss_gpu_shard(vectors: np.ndarray, device: torch.device, fp16: bool) -> F
 
 def load_index(path: str, index_type: str = "flat", device: str = "cpu", dtype: Optional[torch.dtype] = None,
                num_shards: int = 0, nprobe: Optional[int] = None, ef_search: Optional[int] = None, mmap: bool = False):
-    """Open an index file for search on ``device`` ("cpu" or "cuda").
+    """Open an index file for search on ``device`` ("cpu", "cuda" or "cuda:N").
 
     flat on a GPU uses FAISS GPU when installed, else the torch index; both shard the rows
-    over ``num_shards`` GPUs (0: all visible). ``torch`` reads a flat file memory-mapped.
+    over ``num_shards`` consecutive GPUs starting at ``device`` (the current one for a bare
+    "cuda"), wrapping (:func:`shard_devices`; 0: all visible). ``torch`` reads a flat file memory-mapped.
     hnsw / ivfpq stay on the CPU (FAISS GPU has no HNSW; IVF-PQ GPU is left to FAISS users).
     """
     if not os.path.exists(path):
@@ -281,7 +294,7 @@ def load_index(path: str, index_type: str = "flat", device: str = "cpu", dtype: 
     vectors = read_flat_vectors(path)
     if not on_gpu:
         return TorchFlatIndex(vectors, "cpu", dtype)
-    devices = _gpu_devices(num_shards)
+    devices = _gpu_devices(num_shards, torch.device(device))
     use_faiss = index_type == "flat" and faiss_has_gpu()
     if index_type == "flat" and not use_faiss:
         log.info("faiss has no GPU support here: searching %s with the torch flat index", path)

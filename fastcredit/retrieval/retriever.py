@@ -149,7 +149,8 @@ def open_retriever(corpus: Optional[str] = None, index: Optional[str] = None, en
     ``python -m fastcredit.retrieval.build``; when None, one is built beside ``corpus``.
     The corpus store and token store live in ``store_dir`` (default: beside the index).
     ``token_device``: where the token store is gathered from (default: ``device`` when the
-    store is at most ``max_gpu_token_bytes``, else the CPU).
+    store is at most ``max_gpu_token_bytes``, else the CPU). ``num_shards``: GPUs a flat index
+    spreads over, consecutive from ``device`` (``cuda:N``, or the current device), 0: all visible.
     """
     from fastcredit.retrieval.indexes import load_index
 
@@ -185,14 +186,17 @@ def open_retriever(corpus: Optional[str] = None, index: Optional[str] = None, en
     return Retriever(store, idx, enc, tokenizer, tok_store, token_device=token_device)
 
 
-def from_config(rcfg, tokenizer=None, corpus: Optional[str] = None, progress: bool = True) -> Retriever:
+def from_config(rcfg, tokenizer=None, corpus: Optional[str] = None, progress: bool = True,
+                device: Optional[str] = None) -> Retriever:
     """A retriever from the ``retrieval`` section of the training config.
 
     ``corpus`` is used when ``rcfg.corpus`` is unset (the trainer passes the toy world's).
+    ``device``: where ``rcfg.device`` is put when given (the trainer passes its rank's own GPU,
+    so the index's first shard and the encoder live there; see ``components.make_searcher``).
     """
     extra = {name: getattr(rcfg, name) for name in ("dtype", "max_length", "num_shards", "nprobe", "ef_search", "store_dir")
              if getattr(rcfg, name, None) is not None}
     return open_retriever(corpus=rcfg.corpus or corpus, index=rcfg.index, encoder=rcfg.encoder, pooling=rcfg.pooling,
                           query_prefix=rcfg.query_prefix, passage_prefix=rcfg.passage_prefix,
-                          index_type=rcfg.index_type, device=rcfg.device, batch_size=rcfg.batch_size,
+                          index_type=rcfg.index_type, device=device or rcfg.device, batch_size=rcfg.batch_size,
                           tokenizer=tokenizer, progress=progress, **extra)

@@ -84,7 +84,7 @@ def _sgd(params):
 
 def _engine(module, info, kind: str):
     if kind == "fsdp2":
-        model = wrap_fsdp2(module, info, mixed_precision=False)
+        model = wrap_fsdp2(module, info)
         return FSDP2Engine(model, _sgd(model.parameters()))
     from fastcredit.distributed.deepspeed_engine import wrap_deepspeed
 

@@ -1,21 +1,103 @@
-"""The phase manager's order of sleeps, wakes and weight syncs (the same code path as on a GPU)."""
+"""The phase manager's order of sleeps, wakes, weight switches, syncs and moves (the same code path as on a GPU).
+
+Recording fakes stand in for the vLLM engine and the training engines; ``move_state=True``
+makes the manager move the (fake) training state as it does on CUDA.
+"""
+import pytest
 import torch
 
 from fastcredit.distributed.colocate import PhaseManager
 
 
 class Engine:
+    """A rollout engine that records calls and which weights it holds."""
+
     def __init__(self, name, log):
-        self.name, self.log = name, log
+        self.name, self.log, self.holds = name, log, None
 
     def sleep(self, level):
         self.log.append(f"{self.name}.sleep({level})")
+        if level == 2:
+            self.holds = None
 
     def wake_up(self, tags):
         self.log.append(f"{self.name}.wake({tags})")
 
+    def update_weights(self, named):
+        tensors = dict(named)
+        self.holds = tensors["who"]
+        self.log.append(f"{self.name}.load({self.holds})")
 
-def test_phases_sleep_wake_and_sync_in_order():
+
+class TrainState:
+    """A TrainEngine's offload / reload and its shards' device."""
+
+    def __init__(self, log):
+        self.log, self.on_device = log, True
+
+    def offload(self):
+        self.log.append("offload")
+        self.on_device = False
+
+    def reload(self):
+        self.log.append("reload")
+        self.on_device = True
+
+    def full_state(self):
+        assert self.on_device, "the weight sync read shards that were offloaded to the CPU"
+        yield "who", "policy"
+
+
+class Critic:
+    def tensors(self):
+        return iter([("who", "critic")])
+
+
+def _manager(log, **kw):
+    engine, state = Engine("engine", log), TrainState(log)
+    pm = PhaseManager(engine, train_state=[state], move_state=True, sync_fn=lambda p: engine.update_weights(
+        p.full_state()), **kw)
+    return pm, engine, state
+
+
+def test_step_order_sync_before_offload_critic_switch_in_the_same_engine():
+    log = []
+    pm, engine, state = _manager(log, judge_weights=Critic())
+    for step in range(2):
+        with pm.rollout(weights=state):
+            assert engine.holds == ("policy" if step else None) and not state.on_device
+        with pm.judge():
+            assert engine.holds == "critic" and not state.on_device
+        with pm.train():
+            assert state.on_device
+        pm.mark_updated()
+    with pm.rollout(weights=state):
+        assert engine.holds == "policy"
+    first = ["offload", "engine.load(critic)", "engine.sleep(2)", "reload"]
+    again = ["engine.wake(['weights'])", "engine.load(policy)", "offload", "engine.wake(['kv_cache'])",
+             "engine.load(critic)", "engine.sleep(2)", "reload"]
+    assert log == first + again + again[:4]
+    assert set(pm.take_timings()) == {"sync_weights", "switch_to_critic", "offload", "reload"}
+    assert pm.take_timings() == {}
+    assert [b for b, _ in pm.history][:6] == ["rollout:start", "rollout:end", "judge:start", "judge:end", "train:start",
+                                             "train:end"]
+
+
+def test_a_stale_engine_after_the_judge_syncs_even_when_the_state_was_offloaded():
+    """A rollout right after the judge (no update between): the state comes back for the sync, then leaves."""
+    log = []
+    pm, engine, state = _manager(log, judge_weights=Critic())
+    with pm.rollout(weights=state):
+        pass
+    with pm.judge():
+        pass
+    log.clear()
+    with pm.rollout(weights=state):
+        assert engine.holds == "policy"
+    assert log == ["reload", "engine.load(policy)", "offload"]
+
+
+def test_a_judge_with_its_own_engine_sleeps_while_the_policy_rolls_out():
     log = []
     pm = PhaseManager(Engine("policy", log), Engine("critic", log), device=torch.device("cpu"),
                       sync_fn=lambda model: log.append("sync"))
@@ -30,8 +112,6 @@ def test_phases_sleep_wake_and_sync_in_order():
         pass
     assert log == ["critic.sleep(1)", "policy.sleep(2)", "critic.wake(None)", "critic.sleep(1)",
                    "policy.wake(['weights'])", "sync", "policy.wake(['kv_cache'])"]
-    assert [b for b, _ in pm.history] == ["rollout:start", "rollout:end", "judge:start", "judge:end", "train:start",
-                                         "train:end", "rollout:start", "rollout:end"]
 
 
 def test_without_colocation_engines_stay_awake_but_weights_still_sync():
@@ -43,3 +123,19 @@ def test_without_colocation_engines_stay_awake_but_weights_still_sync():
     with pm.rollout(weights=object()):
         pass
     assert log == ["sync"]
+
+
+def test_a_frozen_model_is_on_the_device_only_while_used():
+    log = []
+    pm, _, _ = _manager(log)
+    ref = TrainState(log)
+    ref.on_device = False
+    with pm.train():
+        with pm.using(ref):
+            assert ref.on_device
+    assert not ref.on_device and log[-2:] == ["reload", "offload"]
+
+
+def test_own_engine_and_switched_weights_are_exclusive():
+    with pytest.raises(ValueError, match="not both"):
+        PhaseManager(Engine("p", []), Engine("c", []), judge_weights=Critic())

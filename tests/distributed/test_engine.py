@@ -16,13 +16,21 @@ def _dcfg(**kw):
     return SimpleNamespace(**{**base, **kw})
 
 
+class _Logits(PolicyModel):
+    """A PolicyModel whose forward returns the logits of plain ids (the FSDP2 root must run the forward)."""
+
+    def forward(self, ids):
+        hidden = self.lm.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        return self.lm.get_output_embeddings()(hidden)
+
+
 def _policy():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, tie_word_embeddings=False)
-    return PolicyModel(Qwen2ForCausalLM(cfg))
+    return _Logits(Qwen2ForCausalLM(cfg))
 
 
 def _grad_norm(model) -> float:
@@ -43,8 +51,7 @@ def test_fsdp2_engine_clips_reports_the_pre_clip_norm_and_streams_hf_names():
     assert [g["lr"] for g in engine.optimizer.param_groups] == [0.25]
     engine.zero_grad()
     ids = torch.randint(0, 50, (2, 7))
-    hidden = engine.module.lm.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-    engine.backward(engine.module.lm.get_output_embeddings()(hidden).logsumexp(-1).mean())
+    engine.backward(engine(ids).logsumexp(-1).mean())
     expected = _grad_norm(engine.module)
     before = [p.detach().clone() for p in engine.module.parameters()]
     norm = engine.clip_and_step(1e-3)

@@ -60,3 +60,58 @@ def test_an_external_refiner_needs_a_judge_engine():
     policy = object()
     hook = build_proceed_hook(cfg, OracleBackend(), policy_engine=policy, tokenizer=None)
     assert hook.refiner is policy and hook.describe is not None
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    """A policy, a critic of the same architecture and one of another (HF folders)."""
+    from fastcredit.data.tokenizer import build_tiny_tokenizer
+    from fastcredit.models.tiny import build_tiny_policy, save_tiny_policy
+
+    tok = build_tiny_tokenizer(["hello world where is the river"] * 20, vocab_size=300)
+    out = {}
+    for name, hidden, seed in (("policy", 32, 0), ("same", 32, 1), ("other", 64, 2)):
+        out[name] = str(tmp_path_factory.mktemp(name))
+        save_tiny_policy(build_tiny_policy(tok, hidden=hidden, layers=1, heads=2, seed=seed), tok, out[name])
+    return tok, out
+
+
+class _PolicyEngine:
+    weight_dtype = __import__("torch").float32
+
+
+def _colocated(folder, *extra):
+    return load_config(None, ["credit.estimator=criticsearch", "credit.reward=criticsearch", "judges.backend=colocated",
+                              f"judges.model={folder}", *extra])
+
+
+def test_a_critic_of_the_policy_architecture_switches_into_the_policy_engine(tiny_folders):
+    import torch
+    from transformers import AutoConfig
+
+    from fastcredit.distributed.colocate import PhaseManager
+
+    tok, f = tiny_folders
+    policy, conf = _PolicyEngine(), AutoConfig.from_pretrained(f["policy"])
+    backend = make_backend(_colocated(f["same"]), policy, torch.device("cpu"), policy_config=conf)
+    assert backend.engine is policy and backend.weights is not None and backend.tokenizer is not None
+    assert build_judge_phase(_colocated(f["same"]), backend, policy).engine is None  # no second engine to wake
+    PhaseManager(policy, None, judge_weights=backend.weights)  # what the trainer builds from it
+
+
+def test_a_critic_of_another_architecture_gets_its_own_hf_engine_and_is_refused_beside_vllm(tiny_folders):
+    import torch
+    from transformers import AutoConfig
+
+    tok, f = tiny_folders
+    policy, conf = _PolicyEngine(), AutoConfig.from_pretrained(f["policy"])
+    backend = make_backend(_colocated(f["other"]), policy, torch.device("cpu"), policy_config=conf)
+    assert backend.engine is not policy and backend.weights is None
+    assert build_judge_phase(_colocated(f["other"]), backend, policy).engine is backend.engine
+    with pytest.raises(ValueError, match=r"hidden_size: policy 32, critic 64.*vllm serve .* judges.backend=http"):
+        make_backend(_colocated(f["other"], "rollout.engine=vllm"), policy, torch.device("cpu"), policy_config=conf)
+    # ProCeed asks its critic during the rollout: the weights cannot be switched in then
+    proceed = ["credit.estimator=proceed", "credit.reward=em", "rollout.proceed.enabled=true", "rollout.engine=vllm"]
+    with pytest.raises(ValueError, match="ProCeed's critic answers during the rollout"):
+        make_backend(load_config(None, [*proceed, "judges.backend=colocated", f"judges.model={f['same']}"]), policy,
+                     torch.device("cpu"), policy_config=conf)

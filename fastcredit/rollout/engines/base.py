@@ -40,18 +40,22 @@ class Engine(abc.ABC):
     """Batched generation over token ids; see the module docstring."""
 
     tokenizer = None
+    weight_dtype: torch.dtype = torch.float32  # what update_weights wants streamed (the sync casts shards to it)
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: Union[SamplingParams, Sequence[SamplingParams]]) -> list[GenOutput]:
         """One batch, synchronously; ``params`` per request or shared."""
 
-    def generate_text(self, prompts: Sequence[str], max_tokens: int, temperature: float = 0.0) -> list[str]:
-        """Raw text in, generated text out (judges); EOS ends a completion."""
-        ids = [list(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
-        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+    def generate_text(self, prompts: Sequence[str], max_tokens: int, temperature: float = 0.0,
+                      tokenizer=None) -> list[str]:
+        """Raw text in, generated text out (judges); EOS ends a completion. ``tokenizer``: the one that
+        encodes, decodes and names EOS (a critic whose weights are switched into this engine brings its own)."""
+        tok = tokenizer or self.tokenizer
+        ids = [list(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
         outs = self.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=temperature, stop_token_ids=eos))
-        return [self.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+        return [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
 
     def sleep(self, level: int = 1) -> None:
         """Free the device memory this engine holds (level 1 keeps weights in host memory)."""

@@ -11,7 +11,7 @@ dropped from the batch (and from the KV cache) so long rows do not pay for short
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -55,6 +55,7 @@ class HFEngine(Engine):
         self.model = model.to(device).eval()
         self.tokenizer, self.device = tokenizer, torch.device(device)
         self.max_batch, self.batch_timeout_ms = max_batch, batch_timeout_ms
+        self.weight_dtype = next(self.model.parameters()).dtype
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -151,12 +152,17 @@ class HFEngine(Engine):
             own[name].data.copy_(t.to(own[name].device, own[name].dtype))
 
 
-def make_engine(kind: str, model, tokenizer, rollout_cfg=None, device="cpu") -> Engine:
-    """An engine by name: ``hf`` (this module) or ``vllm`` (fastcredit.rollout.engines.vllm)."""
+def make_engine(kind: str, model, tokenizer, rollout_cfg=None, device="cpu", model_path: Optional[str] = None,
+                memory_utilization: Optional[float] = None) -> Engine:
+    """An engine by name: ``hf`` (this module, generating with ``model``) or ``vllm``
+    (fastcredit.rollout.engines.vllm: started on ``model_path``, else on ``model`` saved to a folder;
+    ``memory_utilization`` overrides ``rollout.gpu_memory_utilization``)."""
     if kind == "hf":
         return HFEngine(model, tokenizer, device)
     if kind == "vllm":
         from fastcredit.rollout.engines.vllm import VLLMEngine
 
+        if model_path is not None:
+            return VLLMEngine(model_path, tokenizer, rollout_cfg, device, memory_utilization=memory_utilization)
         return VLLMEngine.from_module(model, tokenizer, rollout_cfg, device)
     raise ValueError(f"unknown rollout.engine {kind!r}; valid: hf, vllm")

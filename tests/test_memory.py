@@ -1,0 +1,205 @@
+"""The GPU memory budget (fastcredit.memory) and ``python -m fastcredit.train --memory-report``.
+
+Figures are recomputed here from the formulas written out, never through the helpers under test.
+"""
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fastcredit import memory
+from fastcredit.config import load_config
+from fastcredit.train import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CRITIC = os.path.join(ROOT, "configs", "criticsearch.yaml")
+GIB = 2 ** 30
+Q7B = ["model.policy=models/Qwen2.5-7B", "judges.model=models/Qwen2.5-7B-Instruct"]
+
+
+def test_presets_hold_the_public_configs_and_their_exact_counts():
+    q3, q7 = memory.PRESETS["qwen2.5-3b"], memory.PRESETS["qwen2.5-7b"]
+    assert (q3.hidden, q3.layers, q3.heads, q3.kv_heads, q3.intermediate, q3.vocab, q3.tied) == \
+        (2048, 36, 16, 2, 11008, 151936, True)
+    assert (q7.hidden, q7.layers, q7.heads, q7.kv_heads, q7.intermediate, q7.vocab, q7.tied) == \
+        (3584, 28, 28, 4, 18944, 152064, False)
+    # The exact parameter counts agree with the architecture (q/k/v biases, SwiGLU, two norms a layer).
+    for p in memory.PRESETS.values():
+        assert p.formula_params() == p.params, p.name
+    h, kv, i = 2048, 2 * 128, 11008
+    layer = h * h + h + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h
+    assert q3.params == 36 * layer + 151936 * h + h == 3_085_938_688
+
+
+def test_lookup_by_name_folder_and_tiny(tmp_path):
+    cfg = load_config(CRITIC)
+    assert memory.lookup_shape("models/Qwen2.5-3B", "model.policy").params == 3_085_938_688
+    assert memory.lookup_shape("/x/qwen2.5-7b-INSTRUCT", "judges.model").params == 7_615_616_512
+    tiny = memory.lookup_shape("tiny", "model.policy", cfg.model)
+    assert (tiny.hidden, tiny.layers, tiny.heads, tiny.vocab, tiny.intermediate) == (128, 2, 4, 2000, 256)
+    with pytest.raises(memory.ShapeError, match="model.policy='models/Mystery-9B'"):
+        memory.lookup_shape("models/Mystery-9B", "model.policy")
+    assert main(["--config", CRITIC, "--memory-report", "model.policy=models/Mystery-9B"]) == 2
+
+
+def _fake_model(folder, tensors: dict, config: dict) -> None:
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    for n, (name, shape) in enumerate(tensors.items()):
+        header = {"__metadata__": {"format": "pt"},
+                  name: {"dtype": "BF16", "shape": shape, "data_offsets": [0, 2 * math.prod(shape)]}}
+        blob = json.dumps(header).encode()
+        # only the header: the tensors' bytes are absent, so reading them would fail
+        (folder / f"model-{n:05d}.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob)
+
+
+def test_shape_from_a_folder_counts_params_from_safetensors_headers(tmp_path):
+    config = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1000, "tie_word_embeddings": False}
+    _fake_model(tmp_path / "m", {"a.weight": [1000, 64], "b.weight": [7, 11, 13]}, config)
+    s = memory.ModelShape.from_folder(str(tmp_path / "m"))
+    assert s.params == 1000 * 64 + 7 * 11 * 13
+    assert (s.layers, s.hidden, s.kv_heads, s.head_dim, s.tied, s.name) == (3, 64, 2, 16, False, "m")
+    assert memory.kv_bytes_per_token(s) == 2 * 3 * 2 * 16 * 2
+    (tmp_path / "n").mkdir()
+    (tmp_path / "n" / "config.json").write_text(json.dumps(config))  # no weights: the formula
+    assert memory.ModelShape.from_folder(str(tmp_path / "n")).params == memory.ModelShape.from_folder(
+        str(tmp_path / "n")).formula_params()
+    assert memory.lookup_shape(str(tmp_path / "m"), "model.policy").params == 1000 * 64 + 7 * 11 * 13
+
+
+def _hand_plan(p, layers, hidden, heads_kv, inter, vocab, tied, kv_of_step=True):
+    """Every component of an 8 x 80 GiB plan with the wiki-18 e5 flat fp16 index, written out."""
+    W, T, total = 8, 16384, 80 * GIB
+    kvd = heads_kv * 128
+    layer = hidden * hidden + hidden + 2 * (hidden * kvd + kvd) + hidden * hidden + 3 * hidden * inter + 2 * hidden
+    res = {"context": GIB, "index": 21_015_324 * 768 * 2, "search": 2 * 2 ** 27 * 2, "encoder": 109_482_240 * 2}
+    util = math.floor((total - sum(res.values()) - 2 * GIB) / total * 100) / 100
+    kv = int(util * total) - 2 * p - 2 * GIB
+    train = {"policy": 16 * p // W, "reference": 2 * p // W, "asleep": GIB // 2,
+             "gather": (2 * layer + (p - layers * layer)) * 2,
+             "activations": layers * T * hidden * 2 + 2 * T * (8 * hidden + 2 * kvd + 4 * inter) * 2 + T * hidden * 8}
+    return res, util, kv, kv // (2 * layers * kvd * 2), train, {"weights": 2 * p, "stream": vocab * hidden * 6}
+
+
+@pytest.mark.parametrize("size", ["3B", "7B"])
+def test_qwen_plans_on_8_x_80_gib_match_the_hand_computation(size):
+    overrides = Q7B if size == "7B" else []
+    plan = memory.plan(load_config(CRITIC, overrides), gpu_gib=80, gpus=8)
+    if size == "3B":
+        hand = _hand_plan(3_085_938_688, 36, 2048, 2, 11008, 151936, True)
+    else:
+        hand = _hand_plan(7_615_616_512, 28, 3584, 4, 18944, 152064, False)
+    res, util, kv, kv_tokens, train, sync = hand
+    assert plan.utilization == pytest.approx(util)
+    assert plan.phases["rollout"] == {**res, "weights": sync["weights"], "vllm": 2 * GIB, "kv": kv}
+    assert plan.phases["judge"] == plan.phases["rollout"]  # the critic has the policy's shape, same KV cache
+    assert plan.phases["train"] == {**res, **train}
+    assert plan.phases["sync"] == {**res, "asleep": GIB // 2, "policy": train["policy"], **sync}
+    assert plan.kv_tokens == kv_tokens
+    assert plan.kv_tokens_step == 128 // 8 * 5 * (4096 + 4096)
+    assert plan.ok
+    if size == "3B":  # the figures the README quotes
+        assert round(plan.total("train") / GIB, 1) == 45.8 and util == 0.57
+        assert plan.problems == []
+    else:
+        assert any("vLLM will queue" in q for q in plan.problems)
+
+
+def test_value_model_and_offload_and_index_overrides():
+    plan = memory.plan(load_config(os.path.join(ROOT, "configs", "searchr1_ppo.yaml")), 80, 8)
+    p, h = 3_085_938_688, 2048
+    assert plan.phases["train"]["value"] == 16 * (p + h + 1) // 8  # tied: the backbone and a scalar head
+    assert plan.phases["sync"]["value"] == plan.phases["train"]["value"]
+    off = memory.plan(load_config(os.path.join(ROOT, "configs", "searchr1_ppo.yaml"),
+                                  ["distributed.cpu_offload=true"]), 80, 8)
+    assert off.phases["train"]["policy"] == off.phases["train"]["value"] == 0
+    small = memory.plan(load_config(CRITIC), 80, 8, index_rows=1000, index_dim=64)
+    assert small.phases["train"]["index"] == 1000 * 64 * 2
+    cpu = memory.plan(load_config(CRITIC, ["retrieval.device=cpu"]), 80, 8)
+    assert "index" not in cpu.phases["train"] and "encoder" not in cpu.phases["train"]
+
+
+def test_without_colocation_nothing_sleeps_and_the_hf_engine_has_no_share():
+    plan = memory.plan(load_config(CRITIC, ["distributed.colocate=false"]), 80, 8)
+    assert plan.phases["rollout"]["policy"] == 16 * 3_085_938_688 // 8
+    assert plan.phases["train"]["kv"] == plan.phases["rollout"]["kv"] and "asleep" not in plan.phases["train"]
+    debug = memory.plan(load_config(os.path.join(ROOT, "configs", "debug.yaml")), 80, 1)
+    assert debug.utilization is None and debug.ok and "index" not in debug.phases["train"]
+
+
+def test_index_rows_come_from_the_faiss_header(tmp_path):
+    path = tmp_path / "x.index"
+    rows, dim = 5000, 32
+    # IndexFlatIP layout: fourcc, int32 d, int64 ntotal, two int64 dummies, uint8 is_trained, int32 metric, count
+    path.write_bytes(b"IxFI" + struct.pack("<iqqqBiQ", dim, rows, 0, 0, 1, 0, rows * dim))  # no vectors: not read
+    assert memory.index_header(str(path)) == (rows, dim)
+    plan = memory.plan(load_config(CRITIC, [f"retrieval.index={path}"]), 80, 1)
+    assert plan.phases["train"]["index"] == rows * dim * 2
+
+
+def test_num_shards_spread_one_process_not_torchrun_ranks():
+    one = memory.plan(load_config(CRITIC, ["retrieval.num_shards=4"]), 80, 1)
+    assert one.phases["train"]["index"] == 21_015_324 * 768 * 2 // 4  # one process over 4 GPUs: a quarter each
+    ranks = memory.plan(load_config(CRITIC, ["retrieval.num_shards=4"]), 80, 8)
+    assert ranks.phases["train"]["index"] == 21_015_324 * 768 * 2  # 4 quarters from 4 ranks land on each GPU
+
+
+def test_auto_utilization_formula_and_errors():
+    u = memory.engine_memory_utilization(60 * GIB, 80 * GIB, 2 * GIB, 6 * GIB, 1 * GIB)
+    assert u == 0.72  # (60 - 2) / 80 = 0.725, rounded down
+    assert memory.engine_memory_utilization(58.4 * GIB, 80 * GIB, 2 * GIB, GIB, GIB) == 0.70  # 0.705
+    with pytest.raises(memory.MemoryBudgetError, match=r"0.10 x 80.0 GiB = 8.0 GiB.*need 9.0 GiB"):
+        memory.engine_memory_utilization(10 * GIB, 80 * GIB, 2 * GIB, 8 * GIB, 1 * GIB)
+    with pytest.raises(ValueError):  # a ValueError subclass
+        memory.engine_memory_utilization(GIB, 80 * GIB, 2 * GIB, 0, 0)
+    memory.check_fixed_utilization(0.5, 40 * GIB, 80 * GIB)
+    with pytest.raises(memory.MemoryBudgetError, match=r"asks vLLM for 48.0 GiB of the 80.0 GiB GPU, but only 40.0 GiB"):
+        memory.check_fixed_utilization(0.6, 40 * GIB, 80 * GIB)
+
+
+def test_fixed_utilization_and_foreign_critic_are_hard_problems():
+    grpo = os.path.join(ROOT, "configs", "searchr1_grpo.yaml")
+    plan = memory.plan(load_config(grpo, ["rollout.gpu_memory_utilization=0.7"]), 80, 8)
+    assert not plan.ok and "asks vLLM for 56.0 GiB" in plan.hard[0]
+    foreign = memory.plan(load_config(CRITIC, ["judges.model=models/Qwen2.5-7B-Instruct"]), 80, 8)
+    assert not foreign.ok and "judges.backend=http" in foreign.hard[0] and "judge" not in foreign.phases
+
+
+def test_impossible_config_reports_and_exits_2(capsys):
+    rc = main(["--config", CRITIC, "--memory-report", "--gpu-gib", "24", "--gpus=1", *Q7B])
+    out = capsys.readouterr().out
+    assert rc == 2
+    assert "train phase needs 172.8 GiB of a 24 GiB GPU: shard over more GPUs" in out
+    assert "ERROR" in out and "OVER" in out
+    rc = main(["--config", CRITIC, "--memory-report", "--gpu-gib", "80", "--gpus", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "problems: none" in out and "fits" in out and "OVER" not in out
+
+
+def test_report_flags_are_checked(capsys):
+    assert main(["--config", CRITIC, "--gpu-gib", "80"]) == 2
+    assert "only apply with --memory-report" in capsys.readouterr().err
+    assert main(["--config", CRITIC, "--memory-report", "--gpus", "many"]) == 2
+
+
+def test_the_report_loads_nothing():
+    code = ("import sys, time\nt = time.time()\nfrom fastcredit.train import main\n"
+            f"rc = main(['--config', {CRITIC!r}, '--memory-report', '--gpu-gib', '80', '--gpus', '8'])\n"
+            "import torch.distributed as dist\n"
+            "heavy = [m for m in ('fastcredit.trainer', 'fastcredit.components', 'vllm', 'transformers', 'faiss',"
+            " 'fastcredit.retrieval.indexes') if m in sys.modules]\n"
+            "print('RESULT', rc, heavy, dist.is_initialized(), round(time.time() - t, 1))\n")
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={**os.environ, "WORLD_SIZE": "8"})
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
+    assert line, proc.stderr[-2000:]
+    _, rc, heavy, group, seconds = line[0].split()
+    assert (rc, heavy, group) == ("0", "[]", "False")  # no trainer, model code or index; no process group
+    assert float(seconds) < 20 and time.time() - t0 < 60
