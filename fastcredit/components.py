@@ -148,6 +148,49 @@ def frozen_copy(lm, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
     return (ref if dtype is None else ref.to(dtype)).eval()
 
 
+def vllm_start_folder(cfg: TrainConfig, lm, tokenizer, out_dir: str, rank: int, modified: bool) -> str:
+    """The folder vLLM starts from: the policy's own when its weights are as loaded, else a copy each rank
+    saves in the run directory (tiny / packaged / ``modified``, e.g. warm-started, policies)."""
+    if os.path.isdir(cfg.model.policy) and not modified:
+        return cfg.model.policy
+    from fastcredit.models.tiny import save_tiny_policy
+
+    return save_tiny_policy(lm, tokenizer, os.path.join(out_dir, f"engine_weights_rank{rank}"))
+
+
+def vllm_memory_share(cfg: TrainConfig, device: torch.device, folder: str, train_state, say) -> tuple[float, bool]:
+    """``(gpu_memory_utilization, offloaded)`` for the vLLM engine about to start on ``folder``.
+
+    A fixed ``rollout.gpu_memory_utilization`` is checked against what is free; 0 (auto) is
+    what is free once the training state (``train_state``: TrainEngines, offloaded here when
+    colocated, as during every rollout) is off the GPU, minus ``rollout.memory_margin_gib``
+    (``fastcredit.memory.engine_memory_utilization``). The figures go to ``say``.
+    """
+    from fastcredit import memory
+
+    r = cfg.rollout
+    if device.type != "cuda":
+        return r.gpu_memory_utilization, False
+    offloaded = cfg.distributed.colocate
+    if offloaded:
+        for engine in train_state:
+            engine.offload()
+        torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    if r.gpu_memory_utilization > 0:
+        memory.check_fixed_utilization(r.gpu_memory_utilization, free, total)
+        util = r.gpu_memory_utilization
+    else:
+        shape = memory.ModelShape.from_folder(folder)
+        max_context = cfg.data.max_prompt_tokens + r.max_response_tokens
+        util = memory.engine_memory_utilization(free, total, r.memory_margin_gib * 2**30, shape.params * 2,
+                                                memory.kv_bytes_per_token(shape) * max_context)
+    say(f"vLLM gpu_memory_utilization {util:.2f}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free "
+        f"{'with the training state offloaded' if offloaded else 'beside the training state'}, "
+        f"margin {r.memory_margin_gib:g} GiB")
+    return util, offloaded
+
+
 def make_searcher(cfg: TrainConfig, tokenizer, corpus: str, progress: bool = True,
                   device: Optional[torch.device] = None):
     """The rollout's :data:`~fastcredit.rollout.agent.Searcher` (in-process retriever, or a ``/retrieve`` server).

@@ -104,10 +104,13 @@ class Trainer:
         self.engine_lm = C.frozen_copy(lm, self.compute_dtype) if cfg.rollout.engine == "hf" else None
         self.ref = FrozenModel(PolicyModel(C.frozen_copy(lm, self.compute_dtype), impl), self.info) \
             if cfg.loss.kl_coef or cfg.credit.kl_in_reward else None
+        if self.ref is not None and cfg.distributed.colocate and self.info.device.type == "cuda":
+            self.ref.offload()  # on the GPU only for its passes (PhaseManager.using)
         # copied before the policy's engine shards lm (ZeRO-3 leaves empty placeholders behind)
         value_lm = C.frozen_copy(lm).requires_grad_(True).train() if estimator_needs(cfg.credit.estimator).value_model \
             else None
-        self.vllm_folder = self._vllm_folder(lm) if cfg.rollout.engine == "vllm" else None
+        self.vllm_folder = C.vllm_start_folder(cfg, lm, self.tokenizer, self.out_dir, self.info.rank,
+                                               self.warm_started) if cfg.rollout.engine == "vllm" else None
         # self.policy / self.value: TrainEngines (callable like the models they wrap)
         self.policy = build_train_engine(PolicyModel(lm, impl), self.info, cfg.distributed,
                                          adamw(lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay), o.grad_clip,
@@ -115,17 +118,6 @@ class Trainer:
         self.value = None if value_lm is None else build_train_engine(
             ValueModel(value_lm), self.info, cfg.distributed, adamw(lr=o.critic_lr, weight_decay=o.weight_decay),
             o.grad_clip, self.compute_dtype)
-
-    def _vllm_folder(self, lm) -> str:
-        """The folder vLLM starts from: the policy's own when its weights are as loaded, else a saved copy
-        (tiny / packaged / warm-started policies; rank 0 writes, one folder per rank for simplicity)."""
-        if os.path.isdir(self.cfg.model.policy) and not self.warm_started:
-            return self.cfg.model.policy
-        from fastcredit.models.tiny import save_tiny_policy
-
-        folder = os.path.join(self.out_dir, f"engine_weights_rank{self.info.rank}")
-        save_tiny_policy(lm, self.tokenizer, folder)
-        return folder
 
     def _warm_start(self, lm) -> None:
         """SFT on oracle trajectories; observations come from the run's own searcher, as in rollouts."""
@@ -152,10 +144,10 @@ class Trainer:
 
         cfg, dev = self.cfg, self.info.device
         train_state = [self.policy] + ([self.value] if self.value is not None else [])
-        self._state_offloaded = False  # _engine_memory offloads it to measure what a rollout has free
-        kw = {}
+        kw, offloaded = {}, False  # measuring what a rollout has free offloads the training state first
         if cfg.rollout.engine == "vllm":
-            kw = {"model_path": self.vllm_folder, "memory_utilization": self._engine_memory(train_state)}
+            util, offloaded = C.vllm_memory_share(cfg, dev, self.vllm_folder, train_state, self.say)
+            kw = {"model_path": self.vllm_folder, "memory_utilization": util}
         self.engine = make_engine(cfg.rollout.engine, self.engine_lm, self.tokenizer, cfg.rollout, device=dev, **kw)
         self.engine_lm = None  # the engine owns its weights now
         backend = make_backend(cfg, self.engine, dev, policy_config=self.policy.module.lm.config)
@@ -165,33 +157,7 @@ class Trainer:
                                    self.info.device, cfg.rollout.sleep_level, cfg.judges.sleep_level,
                                    cfg.distributed.colocate, sync_fn=self._sync_weights, log=self._log_memory,
                                    judge_weights=getattr(backend, "weights", None),
-                                   train_on_device=not self._state_offloaded)
-
-    def _engine_memory(self, train_state) -> float:
-        """vLLM's ``gpu_memory_utilization``: a fixed fraction checked against what is free, or (0) what is free
-        once the training state is off the GPU, as during every rollout (``fastcredit.memory``)."""
-        from fastcredit import memory
-
-        r, dev = self.cfg.rollout, self.info.device
-        if dev.type != "cuda":
-            return r.gpu_memory_utilization
-        if self.cfg.distributed.colocate:
-            for engine in train_state:
-                engine.offload()
-            torch.cuda.empty_cache()
-            self._state_offloaded = True
-        free, total = torch.cuda.mem_get_info(dev)
-        if r.gpu_memory_utilization > 0:
-            memory.check_fixed_utilization(r.gpu_memory_utilization, free, total)
-            util = r.gpu_memory_utilization
-        else:
-            shape = memory.ModelShape.from_folder(self.vllm_folder)
-            util = memory.engine_memory_utilization(free, total, r.memory_margin_gib * 2**30,
-                                                    shape.params * 2, memory.kv_bytes_per_token(shape) *
-                                                    (self.cfg.data.max_prompt_tokens + r.max_response_tokens))
-        self.say(f"vLLM gpu_memory_utilization {util:.2f}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free "
-                  f"with the training state offloaded, margin {r.memory_margin_gib:g} GiB")
-        return util
+                                   train_on_device=not offloaded)
 
     def _sync_weights(self, policy) -> None:
         self.engine.update_weights(policy.full_state(self.engine.weight_dtype))

@@ -31,8 +31,15 @@ def test_the_gpu_check_runs_on_a_cpu(tmp_path):
     assert {t["status"] for t in json.load(open(out / "targets.json"))} == {"not run"}
     steps = json.load(open(out / "step_times.json"))["engines"]["hf"]["steps"]
     assert [s["step"] for s in steps] == [1, 2, 3] and all(s["time/step"] > 0 for s in steps)
+    # the frozen critic of the policy's architecture switched into the rollout engine every step, and back
+    switched = json.load(open(out / "step_times.json"))["engines"]["hf_switch"]["steps"]
+    assert all(s["time/colocate/switch_to_critic"] > 0 and s["time/colocate/sync_weights"] > 0 for s in switched[1:])
+    assert "time/judge" in switched[0]
+    packed = json.load(open(next(out.glob("packed_forward_*.json"))))
+    assert packed["max_abs_logp_diff"] < 1e-4 and {r["mode"] for r in packed["results"]} == {"forward",
+                                                                                             "forward+backward"}
     summary = (out / "summary.md").read_text()
-    assert "| kernels | passed |" in summary and "not run" in summary
+    assert "| kernels | passed |" in summary and "not run" in summary and "packed vs padded forward" in summary
 
 
 def _row(op, shape, provider, ms, **kw):

@@ -45,12 +45,13 @@ def make_backend(cfg: TrainConfig, policy_engine, device: torch.device, policy_c
         return HTTPBackend(j.url, j.model or "judge", j.temperature, j.max_tokens, j.concurrency, j.timeout_s)
     if not j.model:  # colocated self-critic: the policy's own engine
         return EngineBackend(policy_engine, j.temperature, j.max_tokens)
-    from fastcredit.judges.switch import CriticWeights, architecture_mismatch
+    from fastcredit.judges.switch import CriticWeights, architecture_mismatch, read_config
 
-    weights = CriticWeights.load(j.model, policy_engine.weight_dtype, pin=device.type == "cuda")
-    mismatch = architecture_mismatch(policy_config, weights.config) if policy_config is not None else "unknown policy"
+    mismatch = architecture_mismatch(policy_config, read_config(j.model)) if policy_config is not None \
+        else "the policy's configuration is unknown"
     during_rollout = cfg.rollout.proceed.enabled  # ProCeed asks its critic between the policy's own turns
     if mismatch is None and not during_rollout:
+        weights = CriticWeights.load(j.model, policy_engine.weight_dtype, pin=device.type == "cuda")
         return EngineBackend(policy_engine, j.temperature, j.max_tokens, tokenizer=weights.tokenizer, weights=weights)
     why = "ProCeed's critic answers during the rollout" if during_rollout else \
         f"its architecture differs from the policy's ({mismatch})"
@@ -61,10 +62,9 @@ def make_backend(cfg: TrainConfig, policy_engine, device: torch.device, policy_c
             f"`vllm serve {j.model} --host 127.0.0.1 --port 8001 --gpu-memory-utilization 0.3`, and set "
             "judges.backend=http judges.url=http://127.0.0.1:8001/v1")
     from fastcredit.rollout.engines import make_engine
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = weights.tokenizer
-    del weights  # the engine of its own loads the model itself
+    tok = AutoTokenizer.from_pretrained(j.model, local_files_only=True)
     lm = AutoModelForCausalLM.from_pretrained(j.model, local_files_only=True, torch_dtype=policy_engine.weight_dtype)
     return EngineBackend(make_engine("hf", lm.eval(), tok, cfg.rollout, device), j.temperature, j.max_tokens,
                          tokenizer=tok)

@@ -50,6 +50,18 @@ def architecture_mismatch(policy_config, critic_config) -> Optional[str]:
     return "; ".join(diffs) or None
 
 
+def read_config(folder: str) -> dict:
+    """A model folder's ``config.json`` (the architecture is decided before any weight is read)."""
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as exc:
+        raise FileNotFoundError(f"judges.model={folder}: no readable config.json ({exc.strerror})") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+
+
 class CriticWeights:
     """A critic's tensors by HF name in host memory (pinned for fast copies to a GPU), with its config and tokenizer."""
 
@@ -61,13 +73,11 @@ class CriticWeights:
         from safetensors import safe_open
         from transformers import AutoTokenizer
 
-        cfg_path = os.path.join(folder, "config.json")
+        config = read_config(folder)
         files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-        if not os.path.isfile(cfg_path) or not files:
+        if not files:
             raise FileNotFoundError(f"judges.model={folder}: a critic whose weights switch into the policy's engine "
-                                    "needs a Hugging Face folder with config.json and *.safetensors")
-        with open(cfg_path) as f:
-            config = json.load(f)
+                                    "needs its weights as *.safetensors")
         state: dict = {}
         for path in files:
             with safe_open(path, framework="pt") as f:
