@@ -103,13 +103,13 @@ class RolloutConfig:
 @dataclass
 class JudgesConfig:
     backend: Literal["none", "colocated", "http", "oracle"] = opt("none", "critic / judge backend; 'oracle' answers from the toy world's gold facts")
-    model: Optional[str] = opt(None, "judge weights (colocated) or model name (http)")
+    model: Optional[str] = opt(None, "judge weights (colocated: a local HF folder; of the policy's architecture it is switched into the policy's engine) or model name (http)")
     url: str = opt("http://127.0.0.1:8001/v1", "OpenAI-compatible endpoint for backend=http")
     temperature: float = opt(0.0, "judge sampling temperature")
     max_tokens: int = opt(1024, "judge output budget")
     concurrency: int = opt(64, "in-flight requests to an http judge")
     timeout_s: float = opt(60.0, "per-request timeout for an http judge")
-    sleep_level: Literal[1, 2] = opt(1, "vLLM sleep level of a colocated judge (1 keeps frozen weights in CPU memory)")
+    sleep_level: Literal[1, 2] = opt(1, "sleep level of a colocated judge with an engine of its own (the HF engine; a critic of the policy's architecture shares the policy's engine, fastcredit.judges.switch)")
     prm: Optional[str] = opt(None, "PiCA process reward model folder; 'oracle' uses the toy world's gold facts")
 
 
