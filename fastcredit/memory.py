@@ -174,18 +174,23 @@ def kv_bytes_per_token(shape: ModelShape, tensor_parallel: int = 1) -> int:
 
 
 def index_header(path: str) -> Optional[tuple[int, int]]:
-    """(rows, dim) from a FAISS index file's header (fourcc, int32 d, int64 ntotal: every index type
-    starts so, see ``read_flat_vectors``), or from a fastcredit build folder's index; None if absent."""
-    if path and os.path.isdir(path) and os.path.exists(os.path.join(path, "build.json")):
-        with open(os.path.join(path, "build.json"), encoding="utf-8") as fh:
-            path = os.path.join(path, json.load(fh)["index"])
-    if not path or not os.path.isfile(path):
+    """(rows, dim) from a FAISS index file's header, or from a fastcredit build folder's index; None if absent."""
+    from fastcredit.retrieval.files import FAISS_HEADER_BYTES, faiss_header, read_build_info
+
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        path = read_build_info(path)[1]
+    except FileNotFoundError:  # a folder that is not a fastcredit build
+        return None
+    if not os.path.isfile(path):
         return None
     with open(path, "rb") as fh:
-        head = fh.read(16)
-    if len(head) < 16:
+        head = fh.read(FAISS_HEADER_BYTES)
+    if len(head) < FAISS_HEADER_BYTES:
         return None
-    return int.from_bytes(head[8:16], "little"), int.from_bytes(head[4:8], "little")
+    _, dim, rows = faiss_header(head)
+    return rows, dim
 
 
 # (params, dim) of known query encoders: all-MiniLM-L6-v2 and E5 base / large (BERT).

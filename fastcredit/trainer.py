@@ -94,7 +94,6 @@ class Trainer:
 
         cfg, o = self.cfg, self.cfg.optim
         lm = C.load_policy(cfg, self.tokenizer)
-        self.warm_started = cfg.warmstart.enabled
         if cfg.warmstart.enabled:
             self._warm_start(lm)
             lm.cpu()
@@ -110,7 +109,7 @@ class Trainer:
         value_lm = C.frozen_copy(lm).requires_grad_(True).train() if estimator_needs(cfg.credit.estimator).value_model \
             else None
         self.vllm_folder = C.vllm_start_folder(cfg, lm, self.tokenizer, self.out_dir, self.info.rank,
-                                               self.warm_started) if cfg.rollout.engine == "vllm" else None
+                                               cfg.warmstart.enabled) if cfg.rollout.engine == "vllm" else None
         # self.policy / self.value: TrainEngines (callable like the models they wrap)
         self.policy = build_train_engine(PolicyModel(lm, impl), self.info, cfg.distributed,
                                          adamw(lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay), o.grad_clip,

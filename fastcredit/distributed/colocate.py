@@ -10,8 +10,8 @@
             ...
 
 vLLM sleep levels: level 1 offloads an engine's weights to CPU
-memory and drops its KV cache (right for a frozen critic); level 2 drops both (right for
-the policy, whose weights are re-synced after every update anyway). Waking a level-2
+memory and drops its KV cache; level 2 drops both (right for the policy, whose weights
+are re-synced after every update, and after every judge phase that switched a critic in). Waking a level-2
 policy engine wakes ``weights`` first, streams the new weights in tensor by tensor, and
 only then allocates the KV cache (``kv_cache``), so the two never peak together.
 The training state moves through each :class:`fastcredit.distributed.engine.TrainEngine`'s

@@ -74,7 +74,6 @@ class FSDP2Engine(TrainEngine):
                  cpu_offload: bool = False):
         self.model, self.module, self.optimizer, self.device = model, model, optimizer, device
         self.cpu_offload = cpu_offload
-        self.on_device = True
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
@@ -102,13 +101,11 @@ class FSDP2Engine(TrainEngine):
         if not self.cpu_offload:
             self.model.to("cpu")  # FSDP2 moves the sharded parameters (and their gradients, freed here)
             move_optimizer_state(self.optimizer, "cpu")
-        self.on_device = False
 
     def reload(self) -> None:
         if not self.cpu_offload:
             self.model.to(self.device)
             move_optimizer_state(self.optimizer, self.device)
-        self.on_device = True
 
     def dcp_state(self) -> tuple[nn.Module, torch.optim.Optimizer]:
         return self.model, self.optimizer
@@ -126,15 +123,12 @@ class FrozenModel:
         module.requires_grad_(False).eval()
         self.module = wrap_fsdp2(module, info)
         self.device = info.device
-        self.on_device = True
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def offload(self) -> None:
         self.module.to("cpu")
-        self.on_device = False
 
     def reload(self) -> None:
         self.module.to(self.device)
-        self.on_device = True

