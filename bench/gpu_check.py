@@ -3,6 +3,7 @@
     python bench/gpu_check.py env     OUT           # env.json: GPU, driver, torch / CUDA, optional packages
     python bench/gpu_check.py kernels OUT           # kernels.jsonl (a line per case as it finishes), targets.json
     python bench/gpu_check.py train   OUT           # three trainer steps: step_times.json
+    python bench/gpu_check.py rollout OUT           # async vs lockstep on the turn-skewed workload: rollout_*.json
     python bench/gpu_check.py summary OUT           # summary.md; exit 1 on any failed stage or target
 
 Every stage records ``stage_<name>.json``: ``passed``, ``failed`` or ``not run`` with the reason
@@ -291,13 +292,33 @@ def _packed_forward(out: str, cuda: bool) -> list:
     return [] if proc.returncode == 0 else [f"packed forward bench: exit {proc.returncode}, see packed_forward.log"]
 
 
+def stage_rollout(out: str) -> None:
+    """bench/bench_rollout.py on the GPU: vLLM when it imports, else the HF engine (no continuous batching)."""
+    if not _cuda():
+        record(out, "rollout", "not run", "needs CUDA (the CPU figure: python bench/bench_rollout.py, in bench/results)")
+        return
+    engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_rollout.py"), "--out", out,
+                           "--engine", engine, "--trajectories", "256", "--reps", "3"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=1200,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "bench")])})
+    with open(os.path.join(out, "rollout.log"), "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    if proc.returncode:
+        record(out, "rollout", "failed", f"bench_rollout.py exit {proc.returncode}, see rollout.log")
+        return
+    ratio = json.load(open(glob.glob(os.path.join(out, f"rollout_{engine}_*.json"))[0]))["async_over_lockstep"]
+    record(out, "rollout", "passed", f"engine {engine}" + ("" if engine == "vllm" else " (vllm does not import)"),
+           async_over_lockstep=ratio)
+
+
 def _fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else ("" if v is None else str(v))
 
 
 def stage_summary(out: str) -> int:
     stages = []
-    for name in ("env", "build", "tests", "kernels", "train", "nsys"):
+    for name in ("env", "build", "tests", "kernels", "train", "rollout", "nsys"):
         path = os.path.join(out, f"stage_{name}.json")
         missing = {"stage": name, "status": "failed", "reason": "no result in OUTDIR (not run yet, timed out or crashed)"}
         stages.append(json.load(open(path)) if os.path.exists(path) else missing)
@@ -338,6 +359,11 @@ def stage_summary(out: str) -> int:
                       f"{pf['shape']['padding_fraction']:.0%} padding): " + "; ".join(
                           f"{r['mode']} {r['packed_tokens_per_s']:,.0f} vs {r['padded_tokens_per_s']:,.0f} tok/s "
                           f"({r['speedup']:.2f}x)" for r in pf["results"])]
+    for path in glob.glob(os.path.join(out, "rollout_*.json")):
+        ro = json.load(open(path))
+        lines += ["", f"rollout ({ro['engine']}, {ro['trajectories']} trajectories, turn-skewed): async "
+                      f"{ro['modes']['async']['trajectories_per_s']:.1f} vs lockstep "
+                      f"{ro['modes']['lockstep']['trajectories_per_s']:.1f} traj/s ({ro['async_over_lockstep']:.2f}x)"]
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -348,14 +374,14 @@ def stage_summary(out: str) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("stage", choices=("env", "kernels", "train", "summary"))
+    p.add_argument("stage", choices=("env", "kernels", "train", "rollout", "summary"))
     p.add_argument("out")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     if a.stage == "summary":
         return stage_summary(a.out)
     try:
-        {"env": stage_env, "kernels": stage_kernels, "train": stage_train}[a.stage](a.out)
+        {"env": stage_env, "kernels": stage_kernels, "train": stage_train, "rollout": stage_rollout}[a.stage](a.out)
     except Exception as exc:
         traceback.print_exc()
         record(a.out, a.stage, "failed", f"{type(exc).__name__}: {exc}"[:500])

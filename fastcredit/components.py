@@ -192,11 +192,15 @@ def vllm_memory_share(cfg: TrainConfig, device: torch.device, folder: str, train
 
 
 def make_searcher(cfg: TrainConfig, tokenizer, corpus: str, progress: bool = True,
-                  device: Optional[torch.device] = None):
+                  device: Optional[torch.device] = None, info=None):
     """The rollout's :data:`~fastcredit.rollout.agent.Searcher` (in-process retriever, or a ``/retrieve`` server).
 
     ``device``: the process's own device (the trainer's ``info.device``); a GPU index starts
     there and spreads over ``retrieval.num_shards`` consecutive GPUs (1: only this one).
+    ``info``: the :class:`~fastcredit.distributed.process_group.DistInfo`; with several ranks and
+    ``retrieval.across_ranks=shard`` every rank holds 1/W of the index and searches go through
+    retrieval rounds with the other ranks (``fastcredit.retrieval.ranks``): every rank must
+    call this, and search, in step.
     """
     from fastcredit.rollout.agent import http_searcher, retriever_searcher
 
@@ -208,6 +212,9 @@ def make_searcher(cfg: TrainConfig, tokenizer, corpus: str, progress: bool = Tru
     from fastcredit.retrieval.retriever import from_config
 
     # retrieval.device "cuda" / "auto" in a CUDA process means the process's own GPU
+    if device is None and info is not None:
+        device = info.device
     own = str(device) if device is not None and torch.device(device).type == "cuda" and r.device != "cpu" else None
-    retriever = from_config(r, tokenizer=tokenizer, corpus=corpus, progress=progress, device=own)
+    ranks = {} if info is None else {"rank": info.rank, "world_size": info.world_size}
+    retriever = from_config(r, tokenizer=tokenizer, corpus=corpus, progress=progress, device=own, **ranks)
     return retriever_searcher(retriever, r.topk, r.max_passage_tokens, cfg.rollout.max_obs_tokens), retriever

@@ -68,7 +68,9 @@ class RetrievalConfig:
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "where the index and encoder live")
     batch_size: int = opt(256, "largest retrieval micro-batch")
     batch_timeout_ms: float = opt(2.0, "a micro-batch is sent when full or after this long")
-    num_shards: int = opt(1, "GPUs one process spreads its index over (0: every visible GPU, for a standalone server); under torchrun each rank keeps its index on its own GPU")
+    num_shards: int = opt(1, "GPUs one process spreads its index over (0: every visible GPU, for a standalone server); under torchrun with across_ranks=replicate each rank keeps its copy from its own GPU (unused with across_ranks=shard)")
+    across_ranks: Literal["shard", "replicate"] = opt("shard", "under torchrun with backend=local: 'shard' splits the index rows over the ranks (each holds 1/W, every search is answered by all shards together, results identical to one flat index; index_type=hnsw cannot be split), 'replicate' gives each rank a whole copy; one process: the same thing")
+    round_cadence_ms: float = opt(5.0, "across_ranks=shard: an idle rank waits this long for a search before it meets the other ranks in a retrieval round")
 
 
 @dataclass

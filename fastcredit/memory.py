@@ -32,10 +32,10 @@ plus:
 * weight sync: the engine's weights woken (2P/TP) while the training state is still on the
   GPU, plus the largest tensor gathered in fp32 and cast to bf16 (V x H x 6).
 
-The index: flat (and torch) on a GPU N x dim x 2 bytes (fp16); IVF-PQ N x (code + 8-byte id)
-+ centroids and HNSW both stay in CPU memory (``fastcredit.retrieval.indexes.load_index``).
-A process spreads its copy over retrieval.num_shards GPUs from its own; under torchrun every
-rank holds a whole copy, so each GPU carries index x min(shards, W) / shards.
+The index: flat (and torch) on a GPU N x dim x 2 bytes (fp16); IVF-PQ N x (code + 8-byte id) + centroids
++ codebooks and HNSW stay in CPU memory. Under torchrun, retrieval.across_ranks=shard: a rank holds
+ceil(N / W) rows (IVF-PQ: and the whole centroids and codebooks); replicate: each rank holds a copy
+over retrieval.num_shards GPUs from its own, so each GPU carries index x min(shards, W) / shards.
 
 vLLM's share with gpu_memory_utilization=0 (auto) is (free - margin) / total rounded down to
 0.01, free being measured with the training state offloaded (here: GPU - resident); a fixed
@@ -177,19 +177,14 @@ def index_header(path: str) -> Optional[tuple[int, int]]:
     """(rows, dim) from a FAISS index file's header, or from a fastcredit build folder's index; None if absent."""
     from fastcredit.retrieval.files import FAISS_HEADER_BYTES, faiss_header, read_build_info
 
-    if not path or not os.path.exists(path):
-        return None
     try:
-        path = read_build_info(path)[1]
+        path = read_build_info(path)[1] if path and os.path.exists(path) else ""
     except FileNotFoundError:  # a folder that is not a fastcredit build
         return None
-    if not os.path.isfile(path):
+    if not os.path.isfile(path) or os.path.getsize(path) < FAISS_HEADER_BYTES:
         return None
     with open(path, "rb") as fh:
-        head = fh.read(FAISS_HEADER_BYTES)
-    if len(head) < FAISS_HEADER_BYTES:
-        return None
-    _, dim, rows = faiss_header(head)
+        _, dim, rows = faiss_header(fh.read(FAISS_HEADER_BYTES))
     return rows, dim
 
 
@@ -221,6 +216,7 @@ class IndexSize:
     total_bytes: int     # the whole index
     on_gpu: bool
     source: str          # where rows / dim came from
+    shared_bytes: int = 0  # what every shard holds whole: IVF centroids and PQ codebooks
 
 
 def index_size(rcfg, rows: Optional[int] = None, dim: Optional[int] = None) -> IndexSize:
@@ -245,8 +241,8 @@ def index_size(rcfg, rows: Optional[int] = None, dim: Optional[int] = None) -> I
 
         ivf, pq = factory_string("ivfpq", rows, dim).split(",")
         nlist, (m, bits) = int(ivf[3:]), map(int, pq[2:].split("x"))
-        total = rows * (math.ceil(m * bits / 8) + 8) + nlist * dim * 4 + (2 ** bits) * dim * 4
-        return IndexSize(rows, dim, total, False, source)
+        shared = nlist * dim * 4 + (2 ** bits) * dim * 4
+        return IndexSize(rows, dim, rows * (math.ceil(m * bits / 8) + 8) + shared, False, source, shared)
     return IndexSize(rows, dim, rows * dim * 4, False, source)  # hnsw: vectors; the graph is extra, on the CPU
 
 
@@ -344,16 +340,21 @@ def _resident(cfg, gpus: int, plan: MemoryPlan, index_rows, index_dim) -> dict:
         return out
     idx = index_size(r, index_rows, index_dim)
     shards = gpus if r.num_shards <= 0 else r.num_shards
+    split = r.across_ranks == "shard" and gpus > 1
+    if split and r.index_type == "hnsw":
+        plan._problem("retrieval.index_type=hnsw cannot be split across ranks: set retrieval.across_ranks=replicate")
     desc = f"{r.index_type}, {idx.rows:,} x {idx.dim} ({idx.source}), {_gib(idx.total_bytes)} GiB whole"
     if not idx.rows:
         plan.notes.append(f"index: {idx.source}: not counted")
-    elif idx.on_gpu:
-        out["index"] = idx.total_bytes * min(shards, gpus) // shards
-        out["search"] = SEARCH_BYTES if r.index_type in ("flat", "torch") else 0
+    elif split or idx.on_gpu:
+        per_row = (idx.total_bytes - idx.shared_bytes) // idx.rows  # split: the largest share, ceil(N / W) rows
+        each = idx.shared_bytes + -(-idx.rows // gpus) * per_row if split else idx.total_bytes * min(shards, gpus) // shards
+        out.update({"index": each, "search": SEARCH_BYTES} if idx.on_gpu else {})
         where = "on its own GPU" if shards == 1 else f"over {shards} GPUs from its own"
         who = "the process holds it" if gpus == 1 else f"each of the {gpus} ranks holds its own copy"
-        plan.notes.append(f"index: {desc}; {who} {where} (retrieval.num_shards={r.num_shards}): "
-                          f"{_gib(out['index'])} GiB per GPU")
+        how = f"split over the {gpus} ranks (retrieval.across_ranks=shard)" if split else \
+            f"{who} {where} (retrieval.num_shards={r.num_shards})"
+        plan.notes.append(f"index: {desc}; {how}: {_gib(each)} GiB per {'GPU' if idx.on_gpu else 'rank, in CPU memory'}")
     else:
         plan.notes.append(f"index: {desc}; held in CPU memory")
     if r.device != "cpu":
@@ -396,9 +397,7 @@ def plan(cfg, gpu_gib: float, gpus: int, shape: Optional[ModelShape] = None, ind
         acts = (shape.layers + 1) * layer_work + t * h * 8
     root = shape.params - shape.layers * shape.layer_params()
     zero2 = d.engine == "deepspeed" and d.zero_stage == 2
-    state = {"policy": 0 if d.cpu_offload else 16 * shape.params // s}
-    if zero2:
-        state["zero2"] = 2 * shape.params
+    state = {"policy": 0 if d.cpu_offload else 16 * shape.params // s, **({"zero2": 2 * shape.params} if zero2 else {})}
     if estimator_needs(cfg.credit.estimator).value_model:
         value_params = shape.params - (0 if shape.tied else shape.vocab * h) + h + 1
         state["value"] = 0 if d.cpu_offload else 16 * value_params // s
@@ -464,8 +463,8 @@ def plan(cfg, gpu_gib: float, gpus: int, shape: Optional[ModelShape] = None, ind
     if not d.colocate:
         p.notes.append("distributed.colocate=false: nothing sleeps, the training state stays beside the engine")
 
-    advice = {"rollout": "lower rollout.gpu_memory_utilization or take the index off the GPU "
-                         "(retrieval.device=cpu, retrieval.index_type=hnsw/ivfpq or retrieval.backend=http)",
+    advice = {"rollout": "lower rollout.gpu_memory_utilization, split the index over the ranks (retrieval.across_ranks="
+                         "shard) or take it off the GPU (retrieval.device=cpu, index_type=hnsw/ivfpq or backend=http)",
               "judge": "use a smaller critic or serve it over HTTP (judges.backend=http)",
               "train": "shard over more GPUs, enable distributed.cpu_offload or lower optim.micro_batch_tokens",
               "sync": "shard over more GPUs or enable distributed.cpu_offload"}

@@ -70,7 +70,7 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.searcher, self.retriever = C.make_searcher(cfg, self.tokenizer, self.data.corpus,
                                                         progress=cfg.logging.progress and info.is_main,
-                                                        device=info.device)
+                                                        device=info.device, info=info)
         self.memory: dict = {}  # GPU memory at each phase boundary of the step, logged with it
         self._build_models()
         self._build_rollout()

@@ -20,6 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CRITIC = os.path.join(ROOT, "configs", "criticsearch.yaml")
 GIB = 2 ** 30
 Q7B = ["model.policy=models/Qwen2.5-7B", "judges.model=models/Qwen2.5-7B-Instruct"]
+WIKI18 = 21_015_324
+REPLICATE = ["retrieval.across_ranks=replicate"]  # every rank holds a whole copy of the index
 
 
 def test_presets_hold_the_public_configs_and_their_exact_counts():
@@ -73,12 +75,12 @@ def test_shape_from_a_folder_counts_params_from_safetensors_headers(tmp_path):
     assert memory.lookup_shape(str(tmp_path / "m"), "model.policy").params == 1000 * 64 + 7 * 11 * 13
 
 
-def _hand_plan(p, layers, hidden, heads_kv, inter, vocab, tied, kv_of_step=True):
-    """Every component of an 8 x 80 GiB plan with the wiki-18 e5 flat fp16 index, written out."""
+def _hand_plan(p, layers, hidden, heads_kv, inter, vocab, tied, index_rows=WIKI18):
+    """Every component of an 8 x 80 GiB plan with (``index_rows`` of) the wiki-18 e5 flat fp16 index, written out."""
     W, T, total = 8, 16384, 80 * GIB
     kvd = heads_kv * 128
     layer = hidden * hidden + hidden + 2 * (hidden * kvd + kvd) + hidden * hidden + 3 * hidden * inter + 2 * hidden
-    res = {"context": GIB, "index": 21_015_324 * 768 * 2, "search": 2 * 2 ** 27 * 2, "encoder": 109_482_240 * 2}
+    res = {"context": GIB, "index": index_rows * 768 * 2, "search": 2 * 2 ** 27 * 2, "encoder": 109_482_240 * 2}
     util = math.floor((total - sum(res.values()) - 2 * GIB) / total * 100) / 100
     kv = int(util * total) - 2 * p - 2 * GIB
     train = {"policy": 16 * p // W, "reference": 2 * p // W, "asleep": GIB // 2,
@@ -87,14 +89,16 @@ def _hand_plan(p, layers, hidden, heads_kv, inter, vocab, tied, kv_of_step=True)
     return res, util, kv, kv // (2 * layers * kvd * 2), train, {"weights": 2 * p, "stream": vocab * hidden * 6}
 
 
+@pytest.mark.parametrize("across", ["replicate", "shard"])
 @pytest.mark.parametrize("size", ["3B", "7B"])
-def test_qwen_plans_on_8_x_80_gib_match_the_hand_computation(size):
-    overrides = Q7B if size == "7B" else []
+def test_qwen_plans_on_8_x_80_gib_match_the_hand_computation(size, across):
+    overrides = (Q7B if size == "7B" else []) + [f"retrieval.across_ranks={across}"]
     plan = memory.plan(load_config(CRITIC, overrides), gpu_gib=80, gpus=8)
+    rows = WIKI18 if across == "replicate" else -(-WIKI18 // 8)  # shard: 2,626,916 rows a rank
     if size == "3B":
-        hand = _hand_plan(3_085_938_688, 36, 2048, 2, 11008, 151936, True)
+        hand = _hand_plan(3_085_938_688, 36, 2048, 2, 11008, 151936, True, rows)
     else:
-        hand = _hand_plan(7_615_616_512, 28, 3584, 4, 18944, 152064, False)
+        hand = _hand_plan(7_615_616_512, 28, 3584, 4, 18944, 152064, False, rows)
     res, util, kv, kv_tokens, train, sync = hand
     assert plan.utilization == pytest.approx(util)
     assert plan.phases["rollout"] == {**res, "weights": sync["weights"], "vllm": 2 * GIB, "kv": kv}
@@ -104,7 +108,9 @@ def test_qwen_plans_on_8_x_80_gib_match_the_hand_computation(size):
     assert plan.kv_tokens == kv_tokens
     assert plan.kv_tokens_step == 128 // 8 * 5 * (4096 + 4096)
     assert plan.ok
-    if size == "3B":  # the figures the README quotes
+    if across == "shard":
+        assert plan.problems == [] and any("split over the 8 ranks" in n for n in plan.notes)
+    elif size == "3B":  # the figures the README quotes
         assert round(plan.total("train") / GIB, 1) == 45.8 and util == 0.57
         assert plan.problems == []
     else:
@@ -119,8 +125,10 @@ def test_value_model_and_offload_and_index_overrides():
     off = memory.plan(load_config(os.path.join(ROOT, "configs", "searchr1_ppo.yaml"),
                                   ["distributed.cpu_offload=true"]), 80, 8)
     assert off.phases["train"]["policy"] == off.phases["train"]["value"] == 0
-    small = memory.plan(load_config(CRITIC), 80, 8, index_rows=1000, index_dim=64)
+    small = memory.plan(load_config(CRITIC, REPLICATE), 80, 8, index_rows=1000, index_dim=64)
     assert small.phases["train"]["index"] == 1000 * 64 * 2
+    small = memory.plan(load_config(CRITIC), 80, 8, index_rows=1000, index_dim=64)  # shard: 125 rows a rank
+    assert small.phases["train"]["index"] == 125 * 64 * 2
     cpu = memory.plan(load_config(CRITIC, ["retrieval.device=cpu"]), 80, 8)
     assert "index" not in cpu.phases["train"] and "encoder" not in cpu.phases["train"]
 
@@ -146,8 +154,30 @@ def test_index_rows_come_from_the_faiss_header(tmp_path):
 def test_num_shards_spread_one_process_not_torchrun_ranks():
     one = memory.plan(load_config(CRITIC, ["retrieval.num_shards=4"]), 80, 1)
     assert one.phases["train"]["index"] == 21_015_324 * 768 * 2 // 4  # one process over 4 GPUs: a quarter each
-    ranks = memory.plan(load_config(CRITIC, ["retrieval.num_shards=4"]), 80, 8)
+    ranks = memory.plan(load_config(CRITIC, ["retrieval.num_shards=4", *REPLICATE]), 80, 8)
     assert ranks.phases["train"]["index"] == 21_015_324 * 768 * 2  # 4 quarters from 4 ranks land on each GPU
+    split = memory.plan(load_config(CRITIC, ["retrieval.num_shards=4"]), 80, 8)
+    assert split.phases["train"]["index"] == 2_626_916 * 768 * 2  # shard: an eighth each, num_shards unused
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8, 16])
+def test_index_split_across_ranks_per_gpu(gpus):
+    """across_ranks=shard (the default): flat fp16 ceil(N / W) x 768 x 2 bytes a GPU; IVF-PQ in CPU memory, the
+    centroids and codebooks whole on every rank; HNSW cannot be split."""
+    flat = memory.plan(load_config(CRITIC), 80, gpus)
+    assert flat.phases["train"]["index"] == -(-WIKI18 // gpus) * 768 * 2
+    ivf = memory.plan(load_config(CRITIC, ["retrieval.index_type=ivfpq"]), 80, gpus)
+    assert "index" not in ivf.phases["train"]
+    nlist, m = int(4 * math.sqrt(WIKI18)), 96  # FAISS's rules of thumb (indexes.factory_string): IVF18337,PQ96x8
+    share = -(-WIKI18 // gpus) * (m + 8) + nlist * 768 * 4 + 256 * 768 * 4
+    if gpus > 1:
+        assert any(f"split over the {gpus} ranks" in n and f"{share / GIB:.1f} GiB per rank, in CPU memory" in n
+                   for n in ivf.notes), ivf.notes
+    hnsw = memory.plan(load_config(CRITIC, ["retrieval.index_type=hnsw"]), 80, gpus)
+    assert hnsw.ok == (gpus == 1)
+    if gpus > 1:
+        assert "retrieval.across_ranks=replicate" in hnsw.hard[0]
+        assert memory.plan(load_config(CRITIC, ["retrieval.index_type=hnsw", *REPLICATE]), 80, gpus).ok
 
 
 def test_auto_utilization_formula_and_errors():
@@ -165,8 +195,9 @@ def test_auto_utilization_formula_and_errors():
 
 def test_fixed_utilization_and_foreign_critic_are_hard_problems():
     grpo = os.path.join(ROOT, "configs", "searchr1_grpo.yaml")
-    plan = memory.plan(load_config(grpo, ["rollout.gpu_memory_utilization=0.7"]), 80, 8)
+    plan = memory.plan(load_config(grpo, ["rollout.gpu_memory_utilization=0.7", *REPLICATE]), 80, 8)
     assert not plan.ok and "asks vLLM for 56.0 GiB" in plan.hard[0]
+    assert memory.plan(load_config(grpo, ["rollout.gpu_memory_utilization=0.7"]), 80, 8).ok  # an eighth of the index
     foreign = memory.plan(load_config(CRITIC, ["judges.model=models/Qwen2.5-7B-Instruct"]), 80, 8)
     assert not foreign.ok and "judges.backend=http" in foreign.hard[0] and "judge" not in foreign.phases
 

@@ -9,6 +9,7 @@ server and client, and the CUDA ops they use.
     ops.py          merge_topk, assemble_observations (CUDA kernel or torch)
     observation.py  Search-R1's observation format, as text and as token pieces
     retriever.py    Retriever, open_retriever, from_config
+    ranks.py        retrieval split across torchrun ranks: CrossRankIndex and its rounds
     build.py        python -m fastcredit.retrieval.build   (resumable)
     serve.py        python -m fastcredit.retrieval.serve   (POST /retrieve)
     client.py       RetrievalClient (retries, backoff)
@@ -28,6 +29,7 @@ _EXPORTS = {
     "merge_topk": "ops", "assemble_observations": "ops",
     "format_observation": "observation", "ObsTemplate": "observation",
     "Retriever": "retriever", "Hit": "retriever", "open_retriever": "retriever", "from_config": "retriever",
+    "CrossRankIndex": "ranks", "open_cross_rank_index": "ranks",
     "build_all": "build",
     "RetrievalClient": "client",
 }

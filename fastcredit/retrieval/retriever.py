@@ -127,7 +127,8 @@ def open_retriever(corpus: Optional[str] = None, index: Optional[str] = None, en
                    device: str = "auto", dtype: str = "auto", max_length: int = 256, batch_size: int = 256,
                    tokenizer=None, store_dir: Optional[str] = None, num_shards: int = 0, nprobe: Optional[int] = None,
                    ef_search: Optional[int] = None, mmap: bool = False, token_device: Optional[str] = None,
-                   max_gpu_token_bytes: int = 4 << 30, progress: bool = True) -> Retriever:
+                   max_gpu_token_bytes: int = 4 << 30, progress: bool = True, rank: int = 0, world_size: int = 1,
+                   group=None, round_cadence_ms: float = 5.0) -> Retriever:
     """Open (building what is missing) a retriever over Search-R1-style assets.
 
     ``index``: a FAISS index file (Search-R1's ``e5_Flat.index`` as is) or a folder written by
@@ -136,9 +137,14 @@ def open_retriever(corpus: Optional[str] = None, index: Optional[str] = None, en
     ``token_device``: where the token store is gathered from (default: ``device`` when the
     store is at most ``max_gpu_token_bytes``, else the CPU). ``num_shards``: GPUs a flat index
     spreads over, consecutive from ``device`` (``cuda:N``, or the current device), 0: all visible.
+    ``world_size`` > 1: every rank of ``group`` (default: all) calls this together and keeps
+    only its rows of the index (``fastcredit.retrieval.ranks``; ``num_shards`` and ``mmap`` do
+    not apply); a missing index is built by rank 0; corpus and token stores stay whole.
     """
-    from fastcredit.retrieval.indexes import load_index
+    from fastcredit.retrieval.indexes import check_splittable, load_index
 
+    if world_size > 1:
+        check_splittable(index_type)  # before anything loads
     dev = resolve_device(device)
     enc = Encoder.from_pretrained(encoder, pooling, query_prefix, passage_prefix, max_length, batch_size, str(dev), dtype)
     if index is None or not os.path.exists(index):
@@ -147,8 +153,13 @@ def open_retriever(corpus: Optional[str] = None, index: Optional[str] = None, en
         from fastcredit.retrieval.build import build_all
 
         out = os.path.splitext(os.path.abspath(corpus))[0] + ".fastcredit" if index is None else os.path.dirname(os.path.abspath(index))
-        build_all(corpus, out, index_type=index_type, progress=progress, encoder_obj=enc,
-                  index_name=None if index is None else os.path.basename(index))
+        if rank == 0:
+            build_all(corpus, out, index_type=index_type, progress=progress, encoder_obj=enc,
+                      index_name=None if index is None else os.path.basename(index))
+        if world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=group)  # the other ranks wait for rank 0's build
         index = out if index is None else index
     info, index_path = read_build_info(index)
     if store_dir is None:
@@ -157,7 +168,13 @@ def open_retriever(corpus: Optional[str] = None, index: Optional[str] = None, en
     store = open_corpus_store(corpus, store_dir, progress=progress)
     _check_encoder(info, enc, index_path)
     index_dtype = None if dev.type == "cpu" else resolve_dtype("float16" if dtype == "auto" else dtype, dev)
-    idx = load_index(index_path, index_type, str(dev), index_dtype, num_shards, nprobe, ef_search, mmap)
+    if world_size > 1:
+        from fastcredit.retrieval.ranks import open_cross_rank_index
+
+        idx = open_cross_rank_index(index_path, index_type, rank, world_size, group, str(dev), index_dtype, nprobe,
+                                    round_cadence_ms)
+    else:
+        idx = load_index(index_path, index_type, str(dev), index_dtype, num_shards, nprobe, ef_search, mmap)
     tok_store = None
     if tokenizer is not None:
         from fastcredit.retrieval.tokstore import open_token_store
@@ -172,16 +189,20 @@ def open_retriever(corpus: Optional[str] = None, index: Optional[str] = None, en
 
 
 def from_config(rcfg, tokenizer=None, corpus: Optional[str] = None, progress: bool = True,
-                device: Optional[str] = None) -> Retriever:
+                device: Optional[str] = None, rank: int = 0, world_size: int = 1, group=None) -> Retriever:
     """A retriever from the ``retrieval`` section of the training config.
 
     ``corpus`` is used when ``rcfg.corpus`` is unset (the trainer passes the toy world's).
     ``device``: where ``rcfg.device`` is put when given (the trainer passes its rank's own GPU,
     so the index's first shard and the encoder live there; see ``components.make_searcher``).
+    ``rank`` / ``world_size`` / ``group``: the torchrun ranks; with ``rcfg.across_ranks=shard``
+    and more than one, every rank calls this together and holds only its rows of the index.
     """
-    extra = {name: getattr(rcfg, name) for name in ("dtype", "max_length", "num_shards", "nprobe", "ef_search", "store_dir")
-             if getattr(rcfg, name, None) is not None}
+    extra = {name: getattr(rcfg, name) for name in ("dtype", "max_length", "num_shards", "nprobe", "ef_search", "store_dir",
+                                                    "round_cadence_ms") if getattr(rcfg, name, None) is not None}
+    split = rcfg.across_ranks == "shard" and world_size > 1
     return open_retriever(corpus=rcfg.corpus or corpus, index=rcfg.index, encoder=rcfg.encoder, pooling=rcfg.pooling,
                           query_prefix=rcfg.query_prefix, passage_prefix=rcfg.passage_prefix,
                           index_type=rcfg.index_type, device=device or rcfg.device, batch_size=rcfg.batch_size,
-                          tokenizer=tokenizer, progress=progress, **extra)
+                          tokenizer=tokenizer, progress=progress, rank=rank if split else 0,
+                          world_size=world_size if split else 1, group=group, **extra)

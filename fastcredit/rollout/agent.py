@@ -6,12 +6,19 @@
 Two schedules over the same state machine (:class:`Episode`):
 
 * ``async``: one coroutine per trajectory; a trajectory continues as soon as its own
-  retrieval returns. The engine micro-batches concurrent generation requests and
+  retrieval returns. The engine batches concurrent generation requests (vLLM: continuous
+  batching, a returning turn joins the running batch at the next scheduler step; HF:
+  micro-batches by size and time) and
   :class:`AsyncSearch` micro-batches retrieval requests by size and time, so a trajectory
   that finished its turn never waits for the slowest one of the batch.
 * ``lockstep``: every active trajectory generates one turn in one engine call, then all
   of their searches go to the retriever in one call (Search-R1's ``run_llm_loop``). Kept as
   the baseline of ``bench/bench_rollout.py``.
+
+Both report where the rollout's wall time went (:class:`Activity`): seconds with generation
+in flight, with retrieval in flight, and with both (``time/rollout/overlap``: in async mode
+some episodes decode while others wait for the retriever; in lockstep never), and each
+trajectory's own waits.
 
 Token ids are never re-tokenized: the action's ids are the engine's sampled ids and the
 observation's ids come from the retriever's token store (or are tokenized once, for the
@@ -26,6 +33,7 @@ would leave no room for another action token truncates the turn instead of being
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from dataclasses import dataclass, field
@@ -198,6 +206,55 @@ class AsyncSearch:
         return (await self.batcher.submit([query]))[0]
 
 
+class Activity:
+    """Wall time of a rollout with generation in flight, with retrieval in flight, and with both at once
+    (the overlap: episodes decoding while others wait for the retriever), plus each episode's own waits."""
+
+    KINDS = ("generate", "retrieval")
+
+    def __init__(self):
+        self.inflight = dict.fromkeys(self.KINDS, 0)
+        self.busy = dict.fromkeys(self.KINDS + ("overlap",), 0.0)
+        self.waited = dict.fromkeys(self.KINDS, 0.0)  # summed over episodes
+        self._t = time.perf_counter()
+
+    def _advance(self) -> float:
+        now = time.perf_counter()
+        dt, self._t = now - self._t, now
+        on = [k for k in self.KINDS if self.inflight[k]]
+        for k in on:
+            self.busy[k] += dt
+        if len(on) == 2:
+            self.busy["overlap"] += dt
+        return now
+
+    @contextlib.contextmanager
+    def __call__(self, kind: str, requests: int = 1):
+        start = self._advance()
+        self.inflight[kind] += requests
+        try:
+            yield
+        finally:
+            end = self._advance()
+            self.inflight[kind] -= requests
+            self.waited[kind] += (end - start) * requests
+
+    def stats(self, episodes: int) -> dict:
+        self._advance()
+        B = max(episodes, 1)
+        return {"time/rollout/generating": self.busy["generate"], "time/rollout/retrieving": self.busy["retrieval"],
+                "time/rollout/overlap": self.busy["overlap"],
+                "time/rollout/generate_wait_per_traj": self.waited["generate"] / B,
+                "time/rollout/retrieval_wait_per_traj": self.waited["retrieval"] / B}
+
+
+def searcher_session(searcher):
+    """The searcher's session for one rollout (retrieval sharded across ranks meets the other ranks in
+    rounds while it is open, :class:`fastcredit.retrieval.ranks.CrossRankIndex`); a no-op for the others."""
+    session = getattr(searcher, "session", None)
+    return session() if session is not None else contextlib.nullcontext()
+
+
 @dataclass
 class RolloutResult:
     """What a rollout returns: the packed batch plus what judges, rewards and logs need."""
@@ -209,7 +266,7 @@ class RolloutResult:
     stats: dict
 
 
-def _stats(episodes: list[Episode], seconds: float, search_calls: int) -> dict:
+def _stats(episodes: list[Episode], seconds: float, search_calls: int, activity: Activity) -> dict:
     kinds = [s.kind for e in episodes for s in e.steps]
     B = max(len(episodes), 1)
     tokens = sum(e.response_len for e in episodes)
@@ -217,7 +274,7 @@ def _stats(episodes: list[Episode], seconds: float, search_calls: int) -> dict:
             "invalid_per_traj": kinds.count(TurnKind.INVALID) / B,
             "truncated_frac": kinds.count(TurnKind.TRUNCATED) / B,
             "response_tokens_mean": tokens / B, "rollout_s": seconds, "trajectories_per_s": len(episodes) / max(seconds, 1e-9),
-            "retrieval_batches": search_calls}
+            "retrieval_batches": search_calls, **activity.stats(len(episodes))}
 
 
 class AgentLoop:
@@ -232,6 +289,7 @@ class AgentLoop:
         self.tokenizer = engine.tokenizer
         self.retrieval_batch, self.retrieval_timeout_ms = retrieval_batch, retrieval_timeout_ms
         self.step_hook = step_hook  # async (loop, episode, search) -> None after each step (ProCeed)
+        self.activity = Activity()  # the current rollout's (``run`` starts a new one)
         self.invalid_ids = list(self.tokenizer(INVALID_OBSERVATION, add_special_tokens=False)["input_ids"])
 
     def _episodes(self, prompts: Sequence[Sequence[int]], metas) -> list[Episode]:
@@ -247,18 +305,22 @@ class AgentLoop:
         ``proceed`` flag) for step hooks and judges.
         """
         t0 = time.perf_counter()
-        if self.mode == "lockstep":
-            if self.step_hook is not None:
-                raise ValueError("step hooks (ProCeed rewinds) need rollout.mode=async")
-            episodes, calls = self._lockstep(prompts, metas)
-        else:
-            episodes, calls = asyncio.run(self._async(prompts, metas))
+        if self.mode == "lockstep" and self.step_hook is not None:
+            raise ValueError("step hooks (ProCeed rewinds) need rollout.mode=async")
+        activity = Activity()
+        # Open even with no prompts: a rank with nothing to roll out still meets the others' retrieval rounds.
+        with searcher_session(self.searcher):
+            if self.mode == "lockstep":
+                episodes, calls = self._lockstep(prompts, metas, activity)
+            else:
+                episodes, calls = asyncio.run(self._async(prompts, metas, activity))
         seconds = time.perf_counter() - t0
-        return self._result(episodes, group_id, seconds, calls)
+        return self._result(episodes, group_id, seconds, calls, activity)
 
-    async def _async(self, prompts, metas) -> tuple[list[Episode], int]:
+    async def _async(self, prompts, metas, activity: Activity) -> tuple[list[Episode], int]:
         search = AsyncSearch(self.searcher, self.retrieval_batch, self.retrieval_timeout_ms)
         search.batcher.start()
+        self.activity = activity
         episodes = self._episodes(prompts, metas)
         try:
             await asyncio.gather(*(self._drive(e, search) for e in episodes))
@@ -268,7 +330,9 @@ class AgentLoop:
 
     async def _drive(self, e: Episode, search: AsyncSearch) -> None:
         while not e.done:
-            query = e.on_action(await self.engine.agenerate(e.context, e.next_request()))
+            with self.activity("generate"):
+                out = await self.engine.agenerate(e.context, e.next_request())
+            query = e.on_action(out)
             if query is not None:
                 await self.observe(e, query, search)
             if self.step_hook is not None:
@@ -277,35 +341,39 @@ class AgentLoop:
     async def observe(self, e: Episode, query: str, search) -> None:
         """Search ``query`` (``""``: the corrective message) and append the observation to ``e``."""
         if query:
-            obs, ids = await search(query)
+            with self.activity("retrieval"):
+                obs, ids = await search(query)
             e.on_observation(obs, ids)
         else:
             e.on_observation(self.invalid_ids)
 
-    def _lockstep(self, prompts, metas) -> tuple[list[Episode], int]:
+    def _lockstep(self, prompts, metas, activity: Activity) -> tuple[list[Episode], int]:
         episodes = self._episodes(prompts, metas)
         calls = 0
         while True:
             active = [e for e in episodes if not e.done]
             if not active:
                 return episodes, calls
-            outs = self.engine.generate([e.context for e in active], [e.next_request() for e in active])
+            with activity("generate", len(active)):
+                outs = self.engine.generate([e.context for e in active], [e.next_request() for e in active])
             queries = [(e, e.on_action(o)) for e, o in zip(active, outs)]
             searching = [(e, q) for e, q in queries if q]
             if searching:
                 calls += 1
-                for (e, _), (obs, ids) in zip(searching, self.searcher([q for _, q in searching])):
+                with activity("retrieval", len(searching)):
+                    found = self.searcher([q for _, q in searching])
+                for (e, _), (obs, ids) in zip(searching, found):
                     e.on_observation(obs, ids)
             for e, q in queries:
                 if q == "":
                     e.on_observation(self.invalid_ids)
 
-    def _result(self, episodes: list[Episode], group_id, seconds: float, calls: int) -> RolloutResult:
+    def _result(self, episodes: list[Episode], group_id, seconds: float, calls: int, activity: Activity) -> RolloutResult:
         batch = from_turns([e.turns for e in episodes],
                            group_id=list(group_id) if group_id is not None else list(range(len(episodes))))
         batch.rollout_logp_N = torch.tensor([lp for e in episodes for lp in e.logprobs], dtype=torch.float32)
         return RolloutResult(batch, [e.prompt_ids for e in episodes], episodes, seconds,
-                             _stats(episodes, seconds, calls))
+                             _stats(episodes, seconds, calls, activity))
 
 
 def retriever_searcher(retriever, k: int, max_passage_tokens: Optional[int] = None,
@@ -313,12 +381,17 @@ def retriever_searcher(retriever, k: int, max_passage_tokens: Optional[int] = No
     """A :data:`Searcher` over an in-process ``Retriever``: one search and one token gather per batch."""
 
     def search(queries: list[str]) -> list[tuple[list[int], list[str]]]:
+        if not queries:
+            return []
         rows = retriever.search_rows(queries, k)[1]
         ids, cu = retriever.observation_tokens(None, k, max_passage_tokens, max_obs_tokens, rows=rows)
         ids, cu, rows = ids.cpu().tolist(), cu.cpu().tolist(), rows.cpu().tolist()
         return [(ids[cu[i]:cu[i + 1]], [retriever.corpus.id(r) for r in rows[i] if r >= 0])
                 for i in range(len(queries))]
 
+    session = getattr(getattr(retriever, "index", None), "session", None)
+    if session is not None:  # split across ranks: each rollout meets the other ranks in retrieval rounds
+        search.session = session
     return search
 
 

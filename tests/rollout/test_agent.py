@@ -190,3 +190,66 @@ def test_lockstep_refuses_step_hooks(tok):
     agent.step_hook = ProceedHook(ScriptedCritic([]), lambda *a: "", engine, tok)
     with pytest.raises(ValueError, match="rollout.mode=async"):
         agent.run(prompts(tok, 1))
+
+
+def skewed_script(text, turn):
+    """The first trajectory answers at once, the others search first (turn-skewed)."""
+    return "<answer>Paris</answer>" if turn or "first" in text else \
+        "<think>find the city</think><search>where was Ada born</search>"
+
+
+def test_rollout_timing_shows_retrieval_overlapping_generation(tok):
+    import time
+
+    class Slow(ScriptedEngine):
+        async def agenerate(self, prompt, params):  # the first trajectory writes a long answer
+            long = "first" in self.tokenizer.decode(prompt)
+            await asyncio.sleep(0.12 if long else 0.02)
+            return self._one(prompt, params)
+
+        def generate(self, prompts, params):
+            time.sleep(0.02)
+            return super().generate(prompts, params)
+
+    def slow_search(queries):
+        time.sleep(0.05)
+        return FakeSearcher(tok)(queries)
+
+    script = skewed_script
+    ps = [tok("first question", add_special_tokens=False)["input_ids"]] + prompts(tok, 3)
+    lim = AgentLimits(max_turns=4, max_action_tokens=64, max_obs_tokens=200, max_response_tokens=1000)
+    stats = {}
+    for mode in ("async", "lockstep"):
+        agent = AgentLoop(Slow(tok, script), slow_search, lim, SamplingParams(max_tokens=64), mode=mode)
+        stats[mode] = agent.run(ps).stats
+    a, ls = stats["async"], stats["lockstep"]
+    # async: the first trajectory's long answer decodes while the other three wait for their search
+    assert a["time/rollout/overlap"] > 0.03 and ls["time/rollout/overlap"] == 0.0
+    for s in (a, ls):
+        assert s["time/rollout/retrieving"] >= 0.045 and s["time/rollout/generating"] >= 0.035
+        assert s["time/rollout/generating"] + s["time/rollout/retrieving"] - s["time/rollout/overlap"] \
+            <= s["rollout_s"] + 1e-3
+        # three of four trajectories each waited for one search
+        assert 0.75 * 0.045 <= s["time/rollout/retrieval_wait_per_traj"] <= s["rollout_s"]
+
+
+def test_a_searcher_session_is_open_for_the_whole_rollout_even_without_prompts(tok):
+    events = []
+    agent, _, searcher = loop(tok, search_then_answer)
+
+    class Session:
+        def __enter__(self):
+            events.append("open")
+
+        def __exit__(self, *exc):
+            events.append("close")
+
+    def search(queries):
+        events.append("search")
+        return searcher(queries)
+
+    search.session = Session
+    agent.searcher = search
+    agent.run(prompts(tok, 2))
+    agent.run([])
+    assert events[0] == "open" and events[-3:] == ["close", "open", "close"] and "search" in events[1:-3]

@@ -1,7 +1,8 @@
 """The generation-engine interface the agent loop, the judges and the trainer use.
 
 An engine continues generation from token ids (stop strings and stop tokens included in
-the output, optional per-token log-probs), micro-batches concurrent ``agenerate`` calls,
+the output, optional per-token log-probs), batches concurrent ``agenerate`` calls (here: a
+micro-batcher by size and time; the vLLM engine overrides it with continuous batching),
 sleeps and wakes (vLLM sleep mode; a device move for HF), and loads new weights from an
 iterator of ``(name, tensor)`` pairs streamed one at a time.
 """

