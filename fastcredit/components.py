@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from fastcredit.config import TrainConfig
-from fastcredit.data.loaders import load_qa
+from fastcredit.data.loaders import DataError, load_qa
 
 
 @dataclass
@@ -29,6 +29,18 @@ class Data:
 
 def load_data(cfg: TrainConfig, rank: int = 0) -> Data:
     """The toy world (generated once into ``data.world_dir``, rank 0 writes) or Search-R1 / FlashRAG files."""
+    data = _load_data(cfg, rank)
+    if cfg.data.prompt_source == "parquet":  # every row must bring its own prompt: say so before anything trains
+        for split, path, examples in (("train", cfg.data.train_path, data.train), ("test", cfg.data.test_path, data.test)):
+            missing = next((ex for ex in examples if ex.prompt is None), None)
+            if missing is not None:
+                raise DataError(f"{path or cfg.data.world_dir}: {split} example {missing.id!r} has no 'prompt' field, "
+                                "which data.prompt_source=parquet reads (the toy world has none; "
+                                "data.prompt_source=template builds prompts from the questions)")
+    return data
+
+
+def _load_data(cfg: TrainConfig, rank: int) -> Data:
     if cfg.data.source == "toy":
         from fastcredit.data.toyworld import generate_world, write_world
 

@@ -48,6 +48,7 @@ class DataConfig:
     world_dir: str = opt("runs/toyworld", "where the toy world's files are written and read")
     toy: ToyWorldConfig = opt(ToyWorldConfig, "toy-world generator settings")
     prompt_template: Literal["searchr1"] = opt("searchr1", "training prompt (Search-R1 / CriticSearch Prompt 1)")
+    prompt_source: Literal["template", "parquet"] = opt("template", "'template': build each prompt from the question with data.prompt_template; 'parquet': use the row's own 'prompt' chat list as Search-R1's veRL dataset does (chat template applied when model.chat_template is on, else the first message's text)")
     max_prompt_tokens: int = opt(4096, "prompts longer than this are dropped with a warning")
     shuffle: bool = opt(True, "shuffle the training set each epoch (seeded)")
 

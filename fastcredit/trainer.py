@@ -26,7 +26,7 @@ import torch
 from fastcredit import components as C
 from fastcredit.config import TrainConfig, save_config, to_dict
 from fastcredit.credit.registry import estimator_needs
-from fastcredit.data.prompts import prompt_ids
+from fastcredit.data.prompts import example_prompt_ids
 from fastcredit.data.sampler import PromptSampler
 from fastcredit.distributed.process_group import DistInfo, all_reduce_sum, max_over_ranks, mean_over_ranks
 from fastcredit.profiling import PhaseTimer, profiler_start, profiler_stop
@@ -206,8 +206,8 @@ class Trainer:
         return result, examples
 
     def _prompt_ids(self, examples: list) -> list[list[int]]:
-        return prompt_ids(self.tokenizer, [ex.question for ex in examples], self.cfg.data.prompt_template,
-                          self.cfg.model.chat_template)
+        d = self.cfg.data
+        return example_prompt_ids(self.tokenizer, examples, d.prompt_source, d.prompt_template, self.cfg.model.chat_template)
 
     def outcome_rewards(self, result, examples) -> tuple[torch.Tensor, dict]:
         """Outcome rewards (``credit.reward``) of the batch, EM / F1 / format written into it; ``(reward_B, metrics)``."""

@@ -47,11 +47,13 @@ class QAExample:
     golden_answers: list[str]
     data_source: str = ""
     metadata: dict = field(default_factory=dict)
+    prompt: Optional[list] = field(default=None, compare=False)  # the file's own chat prompt (data.prompt_source=parquet)
 
     def to_record(self) -> dict:
         """The FlashRAG-style jsonl record of this example."""
-        return {"id": self.id, "question": self.question, "golden_answers": list(self.golden_answers),
-                "data_source": self.data_source, "metadata": self.metadata}
+        rec = {"id": self.id, "question": self.question, "golden_answers": list(self.golden_answers),
+               "data_source": self.data_source, "metadata": self.metadata}
+        return rec if self.prompt is None else {**rec, "prompt": self.prompt}
 
 
 def _type_name(value: Any) -> str:
@@ -65,6 +67,11 @@ def _id(value: Any, where: str, fallback: str) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise DataError(f"{where}: field 'id' must be a string or an integer, got {_type_name(value)}")
     return str(value)
+
+
+def _as_list(value: Any) -> Any:
+    """A parquet / pandas column value as plain Python (numpy arrays of structs become lists of dicts)."""
+    return value.tolist() if hasattr(value, "tolist") else value
 
 
 def _question_from_prompt(prompt: Any) -> Optional[str]:
@@ -147,6 +154,7 @@ def parse_example(row: dict, where: str, index: int, default_source: str = "") -
         golden_answers=_answers(row, where),
         data_source=_optional_str(row, "data_source", where, default_source),
         metadata=_metadata(row, where),
+        prompt=_as_list(row.get("prompt")),
     )
 
 

@@ -71,6 +71,39 @@ def apply_chat_template(tokenizer, prompt: str, enabled: Union[bool, str] = "aut
     )
 
 
+def row_prompt_text(tokenizer, chat, enabled: Union[bool, str], where: str) -> str:
+    """The text of a file's own chat prompt (a Search-R1 parquet row's ``prompt``), as Search-R1's veRL dataset
+    makes it: the tokenizer's chat template over the whole list when chat wrapping is on, else the first
+    message's content. ``where`` names the row in errors."""
+    if chat is None:
+        raise ValueError(f"{where}: no 'prompt' field, which data.prompt_source=parquet reads "
+                         "(use data.prompt_source=template to build prompts from the question)")
+    if not isinstance(chat, list) or not chat or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in chat):
+        raise ValueError(f"{where}: field 'prompt' must be a non-empty list of {{\"role\": str, \"content\": str}} "
+                         f"messages, got {chat!r:.80}")
+    if enabled not in (True, False, "auto"):
+        raise ValueError(f"enabled must be True, False or 'auto', got {enabled!r}")
+    if enabled is True and not has_chat_template(tokenizer):
+        apply_chat_template(tokenizer, "", True)  # raises the error that names the missing template
+    if enabled is True or (enabled == "auto" and has_chat_template(tokenizer)):
+        return tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    return chat[0]["content"]
+
+
+def example_prompt_ids(tokenizer, examples: Sequence, source: str = "template", template: str = "searchr1",
+                       chat_template: Union[bool, str] = False) -> list[list[int]]:
+    """The policy's input ids for each QA example: from its question (``source="template"``) or from its file's own
+    chat prompt (``source="parquet"``, :func:`row_prompt_text`)."""
+    if source == "template":
+        return prompt_ids(tokenizer, [ex.question for ex in examples], template, chat_template)
+    if source != "parquet":
+        raise ValueError(f"unknown data.prompt_source {source!r}; valid: template, parquet")
+    texts = [row_prompt_text(tokenizer, ex.prompt, chat_template, f"example {ex.id!r} ({ex.data_source or 'no source'})")
+             for ex in examples]
+    return [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+
+
 def prompt_ids(tokenizer, questions: Sequence[str], template: str = "searchr1",
                chat_template: Union[bool, str] = False) -> list[list[int]]:
     """The policy's input ids for each question: ``template``'s prompt, chat-wrapped when configured."""

@@ -6,7 +6,11 @@
 
 Request ``{"queries": [str], "topk": int (optional), "return_scores": bool (optional)}``;
 answer ``{"result": [[doc, …] per query]}`` with ``doc = {"id", "contents"}``, or with
-``return_scores`` ``[[{"document": doc, "score": float}, …]]`` — Search-R1's format.
+``return_scores`` ``[[{"document": doc, "score": float}, …]]`` — Search-R1's format. Every
+input Search-R1's client sends is answered as its own server answers it: an empty query list
+gets ``{"result": []}`` (the client posts one on a turn where no trajectory searches), an
+empty or blank query string is searched like any other, and a missing, null or 0 ``topk``
+means the server's default.
 Queries from concurrent requests are batched into one encoder + index call. Bad input gets
 a 4xx answer with ``{"error": message}``; a full queue 503, a request past its timeout 504.
 Binds 127.0.0.1 unless ``--host`` says otherwise. ``GET /health`` reports the queue.
@@ -72,22 +76,18 @@ def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], int, bo
     queries = req["queries"]
     if not isinstance(queries, list):
         raise RequestError(400, f"'queries' must be a list of strings, got {_type(queries)}")
-    if not queries:
-        raise RequestError(400, "'queries' is empty")
     if len(queries) > limits.max_queries:
         raise RequestError(413, f"'queries' has {len(queries)} entries; at most {limits.max_queries} per request")
     for i, q in enumerate(queries):
         if not isinstance(q, str):
             raise RequestError(400, f"'queries[{i}]' must be a string, got {_type(q)}")
-        if not q.strip():
-            raise RequestError(400, f"'queries[{i}]' is empty")
         if len(q) > limits.max_query_chars:
             raise RequestError(413, f"'queries[{i}]' has {len(q)} characters; at most {limits.max_query_chars}")
     topk = req.get("topk")
-    if topk is None:
-        topk = limits.default_topk
-    elif isinstance(topk, bool) or not isinstance(topk, int):
+    if isinstance(topk, bool) or not isinstance(topk, (int, type(None))):
         raise RequestError(400, f"'topk' must be an integer, got {_type(topk)}")
+    if not topk:  # null or 0: the default, as Search-R1's server does (`if not request.topk`)
+        topk = limits.default_topk
     elif not 1 <= topk <= limits.max_topk:
         raise RequestError(400, f"'topk'={topk} is out of range [1, {limits.max_topk}]")
     return_scores = req.get("return_scores", False)
@@ -125,6 +125,8 @@ def make_app(batch_fn: Callable[[list], list], limits: Optional[ServerLimits] = 
             queries, topk, return_scores = parse_request(body, limits)
         except RequestError as exc:
             return _error(exc.status, exc.message)
+        if not queries:
+            return web.json_response({"result": []})
         try:
             results = await asyncio.wait_for(batcher.submit([(q, topk) for q in queries]), limits.timeout_s)
         except QueueFull as exc:

@@ -92,3 +92,45 @@ def test_chat_wrapping_without_a_template_is_an_error():
         apply_chat_template(None, "p", True)
     with pytest.raises(ValueError, match="enabled must be True, False or 'auto'"):
         apply_chat_template(_tokenizer(CHAT), "p", "yes")
+
+
+def test_the_rows_own_prompt_as_searchr1s_dataset_reads_it(tmp_path):
+    """data.prompt_source=parquet: the row's chat list through the chat template when wrapping is on, else its first
+    message's text (Search-R1's veRL RLHFDataset); the question column is not used to rebuild it."""
+    from fastcredit.data.loaders import QAExample, load_qa, write_searchr1_parquet
+    from fastcredit.data.prompts import example_prompt_ids, row_prompt_text
+
+    path = str(tmp_path / "train.parquet")
+    write_searchr1_parquet([QAExample("0", "q", ["a"], "nq")], path, prompt_fn=lambda q: "hi hi custom " + q)
+    (ex,) = load_qa(path)
+    assert ex.prompt == [{"role": "user", "content": "hi hi custom q"}]
+    plain, chat = _tokenizer(None), _tokenizer(CHAT)
+    assert row_prompt_text(plain, ex.prompt, "auto", "row 0") == "hi hi custom q"
+    assert row_prompt_text(chat, ex.prompt, "auto", "row 0") == "<|user|>hi hi custom q<|end|><|assistant|>"
+    assert row_prompt_text(chat, ex.prompt, False, "row 0") == "hi hi custom q"
+    two = [{"role": "system", "content": "hi"}, {"role": "user", "content": "hi hi"}]
+    assert row_prompt_text(plain, two, False, "row 0") == "hi"  # the first message, as Search-R1 takes it
+    ids = example_prompt_ids(plain, [ex], "parquet", chat_template=False)
+    assert ids == [plain("hi hi custom q", add_special_tokens=False)["input_ids"]]
+    assert example_prompt_ids(plain, [ex], "template") != ids  # the built-in template ignores the row's prompt
+    with pytest.raises(ValueError, match=r"example '7' \(toyworld\): no 'prompt' field.*data.prompt_source=template"):
+        example_prompt_ids(plain, [QAExample("7", "q", ["a"], "toyworld")], "parquet")
+    with pytest.raises(ValueError, match="row 3: field 'prompt' must be a non-empty list"):
+        row_prompt_text(plain, [{"role": "user"}], False, "row 3")
+    with pytest.raises(ValueError, match="has no chat template"):
+        row_prompt_text(plain, ex.prompt, True, "row 0")
+
+
+def test_prompt_source_parquet_refuses_data_without_prompts_before_training(tmp_path):
+    from fastcredit.components import load_data
+    from fastcredit.config import load_config
+    import json
+
+    from fastcredit.data.loaders import DataError, QAExample
+
+    path = str(tmp_path / "train.jsonl")
+    with open(path, "w") as f:
+        f.write(json.dumps(QAExample("a1", "q", ["a"], "nq").to_record()) + "\n")
+    cfg = load_config(None, ["data.source=flashrag", f"data.train_path={path}", "data.prompt_source=parquet"])
+    with pytest.raises(DataError, match=r"train\.jsonl: train example 'a1' has no 'prompt' field"):
+        load_data(cfg)

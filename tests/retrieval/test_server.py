@@ -168,8 +168,8 @@ def test_client_retries_then_gives_up_or_raises(server):
     with pytest.raises(RetrievalUnavailable, match="after 3 attempts"):
         RetrievalClient(dead, retries=2, backoff_s=0.01, seed=0).retrieve(["a"])
     assert time.perf_counter() - t0 < 5
-    with pytest.raises(RetrievalRequestError, match="400: 'topk'=0 is out of range"):
-        RetrievalClient(server).retrieve(["a"], topk=0)
+    with pytest.raises(RetrievalRequestError, match="400: 'topk'=-1 is out of range"):
+        RetrievalClient(server).retrieve(["a"], topk=-1)
     client = RetrievalClient(server)
     obs = client.observations(["river castle"], topk=2)[0]
     assert obs.startswith("\n\n<information>Doc 1(Title: \"") and "\nDoc 2(Title: " in obs
@@ -196,3 +196,37 @@ def test_load_test_64_clients_loses_nothing(server, retriever):
     assert report["lost"] == report["wrong"] == report["unexpected"] == report["shed"] == 0
     assert report["ok"] > 50 and report["rejected"] > 5
     print(json.dumps({k: report[k] for k in ("qps", "valid_qps", "queries_per_s", "p50_ms", "p99_ms", "requests")}))
+
+
+def _searchr1_observation(result: list) -> str:
+    """What Search-R1's client (llm_agent/generation.py, ``_passages2string``) reads from one query's result."""
+    out = ""
+    for idx, item in enumerate(result):
+        content = item["document"]["contents"]
+        out += f"Doc {idx + 1}(Title: {content.split(chr(10))[0]}) {chr(10).join(content.split(chr(10))[1:])}\n"
+    return out
+
+
+@pytest.mark.parametrize("queries", [[], [""], ["", "   ", "river castle"], ["river castle"] * 3])
+@pytest.mark.parametrize("topk", [3, 5, None, 0])
+@pytest.mark.parametrize("return_scores", [True, False, None])
+def test_every_payload_searchr1s_client_builds_gets_searchr1s_answer(server, retriever, queries, topk, return_scores):
+    """Search-R1's client posts {"queries", "topk", "return_scores": True} every turn, with an empty list on a turn
+    where no trajectory searches and whatever string the policy put between <search> tags; its server answers
+    each as below (``if not request.topk`` → the default; blank strings are searched; ``[]`` → ``[]``)."""
+    body = {"queries": queries, "topk": topk}
+    if return_scores is not None:
+        body["return_scores"] = return_scores
+    status, answer = post(server, json.dumps(body).encode())
+    assert status == 200 and set(answer) == {"result"} and len(answer["result"]) == len(queries)
+    k = topk or LIMITS.default_topk
+    want = retriever.search(queries, k) if queries else []
+    for got, hits in zip(answer["result"], want):
+        docs = [item["document"] for item in got] if return_scores else got
+        assert [d["id"] for d in docs] == [h.id for h in hits] and len(docs) == k
+        assert all(set(d) == {"id", "contents"} for d in docs)
+        if return_scores:
+            assert [item["score"] for item in got] == pytest.approx([h.score for h in hits], abs=1e-5)
+            assert _searchr1_observation(got).startswith("Doc 1(Title: ")
+    if return_scores and queries:
+        assert [_searchr1_observation(r) for r in answer["result"]]  # the client's parse does not raise
