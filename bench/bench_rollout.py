@@ -56,20 +56,12 @@ def skewed_actions(example, rng: random.Random) -> list:
 
 
 def warm_start(lm, tok, examples, prompts, searcher, epochs: int, seed: int, device: str) -> list:
-    from fastcredit.sft import sft_train
+    from fastcredit.data.toyqa import question_hops
+    from fastcredit.sft import sft_sequences, sft_train
 
-    rng = random.Random(seed)
-    plans = [skewed_actions(ex, rng) for ex in examples]
-    queries = sorted({q for plan in plans for _, q in plan if q is not None})
+    queries = sorted({h["query"] for ex in examples for h in question_hops(ex)})
     obs = dict(zip(queries, (o for o, _ in searcher(queries))))
-    enc = lambda s: list(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
-    seqs = []
-    for plan, prompt in zip(plans, prompts):
-        ids, labels = list(prompt), [-100] * len(prompt)
-        for action, query in plan:
-            a, o = enc(action), (obs[query] if query is not None else [])
-            ids, labels = ids + a + o, labels + a + [-100] * len(o)
-        seqs.append((ids, labels))
+    seqs = sft_sequences(examples, prompts, tok, obs.__getitem__, seed=seed, actions=skewed_actions)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     return sft_train(lm, seqs, pad, epochs=epochs, lr=3e-3, batch_size=4, seed=seed, device=device, progress=True)
 

@@ -284,12 +284,18 @@ def _packed_forward(out: str, cuda: bool) -> list:
     """The actor's packed forward against the padded one (bench/bench_packed_forward.py) at 0.5B-like shapes."""
     shape = ["--hidden", "1280", "--layers", "8", "--heads", "20", "--vocab", "32000", "--trajectories", "64",
              "--repeats", "5"] if cuda else ["--repeats", "1", "--trajectories", "8", "--max-len", "128"]
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_packed_forward.py"), "--out", out, *shape],
-                          capture_output=True, text=True, cwd=ROOT, timeout=900,
+    rc = _run_bench(out, "bench_packed_forward.py", shape, "packed_forward.log", 900)
+    return [] if rc == 0 else [f"packed forward bench: exit {rc}, see packed_forward.log"]
+
+
+def _run_bench(out: str, script: str, args: list, log: str, timeout: int) -> int:
+    """``bench/<script> --out OUT args`` with the bench folder importable; its output goes to ``OUT/<log>``."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--out", out, *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "bench")])})
-    with open(os.path.join(out, "packed_forward.log"), "w") as f:
+    with open(os.path.join(out, log), "w") as f:
         f.write(proc.stdout + proc.stderr)
-    return [] if proc.returncode == 0 else [f"packed forward bench: exit {proc.returncode}, see packed_forward.log"]
+    return proc.returncode
 
 
 def stage_rollout(out: str) -> None:
@@ -298,14 +304,10 @@ def stage_rollout(out: str) -> None:
         record(out, "rollout", "not run", "needs CUDA (the CPU figure: python bench/bench_rollout.py, in bench/results)")
         return
     engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_rollout.py"), "--out", out,
-                           "--engine", engine, "--trajectories", "256", "--reps", "3"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=1200,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "bench")])})
-    with open(os.path.join(out, "rollout.log"), "w") as f:
-        f.write(proc.stdout + proc.stderr)
-    if proc.returncode:
-        record(out, "rollout", "failed", f"bench_rollout.py exit {proc.returncode}, see rollout.log")
+    rc = _run_bench(out, "bench_rollout.py", ["--engine", engine, "--trajectories", "256", "--reps", "3"],
+                    "rollout.log", 1200)
+    if rc:
+        record(out, "rollout", "failed", f"bench_rollout.py exit {rc}, see rollout.log")
         return
     ratio = json.load(open(glob.glob(os.path.join(out, f"rollout_{engine}_*.json"))[0]))["async_over_lockstep"]
     record(out, "rollout", "passed", f"engine {engine}" + ("" if engine == "vllm" else " (vllm does not import)"),

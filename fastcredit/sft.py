@@ -24,23 +24,26 @@ Observer = Callable[[str], list[int]]
 
 
 def oracle_token_turns(example: QAExample, tokenizer, observe: Observer,
-                       rng: Optional[random.Random] = None) -> list[tuple[list[int], list[int]]]:
-    """``(action ids, observation ids)`` per turn of the oracle trajectory
-    (:func:`fastcredit.data.toyqa.oracle_actions`); the answer turn has no observation."""
-    from fastcredit.data.toyqa import oracle_actions
+                       rng: Optional[random.Random] = None, actions: Optional[Callable] = None) -> list[tuple[list[int], list[int]]]:
+    """``(action ids, observation ids)`` per turn of the oracle trajectory; the answer turn has no observation.
+
+    ``actions(example, rng) -> [(action text, query or None)]``: the turns' texts (default:
+    :func:`fastcredit.data.toyqa.oracle_actions`; the rollout benchmark draws skewed ones)."""
+    if actions is None:
+        from fastcredit.data.toyqa import oracle_actions as actions
 
     enc = lambda s: list(tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
-    return [(enc(action), observe(query) if query is not None else []) for action, query in oracle_actions(example, rng)]
+    return [(enc(action), observe(query) if query is not None else []) for action, query in actions(example, rng)]
 
 
 def sft_sequences(examples: Sequence[QAExample], prompt_ids: Sequence[Sequence[int]], tokenizer, observe: Observer,
-                  seed: int = 0) -> list[tuple[list[int], list[int]]]:
+                  seed: int = 0, actions: Optional[Callable] = None) -> list[tuple[list[int], list[int]]]:
     """``(input ids, labels)`` per example: labels are -100 on prompt and observation tokens."""
     rng = random.Random(seed)
     out = []
     for ex, prompt in zip(examples, prompt_ids):
         ids, labels = list(prompt), [-100] * len(prompt)
-        for action, obs in oracle_token_turns(ex, tokenizer, observe, rng=rng):
+        for action, obs in oracle_token_turns(ex, tokenizer, observe, rng=rng, actions=actions):
             ids += action + obs
             labels += action + [-100] * len(obs)
         out.append((ids, labels))

@@ -307,20 +307,19 @@ class AgentLoop:
         t0 = time.perf_counter()
         if self.mode == "lockstep" and self.step_hook is not None:
             raise ValueError("step hooks (ProCeed rewinds) need rollout.mode=async")
-        activity = Activity()
+        self.activity = Activity()
         # Open even with no prompts: a rank with nothing to roll out still meets the others' retrieval rounds.
         with searcher_session(self.searcher):
             if self.mode == "lockstep":
-                episodes, calls = self._lockstep(prompts, metas, activity)
+                episodes, calls = self._lockstep(prompts, metas)
             else:
-                episodes, calls = asyncio.run(self._async(prompts, metas, activity))
+                episodes, calls = asyncio.run(self._async(prompts, metas))
         seconds = time.perf_counter() - t0
-        return self._result(episodes, group_id, seconds, calls, activity)
+        return self._result(episodes, group_id, seconds, calls)
 
-    async def _async(self, prompts, metas, activity: Activity) -> tuple[list[Episode], int]:
+    async def _async(self, prompts, metas) -> tuple[list[Episode], int]:
         search = AsyncSearch(self.searcher, self.retrieval_batch, self.retrieval_timeout_ms)
         search.batcher.start()
-        self.activity = activity
         episodes = self._episodes(prompts, metas)
         try:
             await asyncio.gather(*(self._drive(e, search) for e in episodes))
@@ -347,20 +346,20 @@ class AgentLoop:
         else:
             e.on_observation(self.invalid_ids)
 
-    def _lockstep(self, prompts, metas, activity: Activity) -> tuple[list[Episode], int]:
+    def _lockstep(self, prompts, metas) -> tuple[list[Episode], int]:
         episodes = self._episodes(prompts, metas)
         calls = 0
         while True:
             active = [e for e in episodes if not e.done]
             if not active:
                 return episodes, calls
-            with activity("generate", len(active)):
+            with self.activity("generate", len(active)):
                 outs = self.engine.generate([e.context for e in active], [e.next_request() for e in active])
             queries = [(e, e.on_action(o)) for e, o in zip(active, outs)]
             searching = [(e, q) for e, q in queries if q]
             if searching:
                 calls += 1
-                with activity("retrieval", len(searching)):
+                with self.activity("retrieval", len(searching)):
                     found = self.searcher([q for _, q in searching])
                 for (e, _), (obs, ids) in zip(searching, found):
                     e.on_observation(obs, ids)
@@ -368,12 +367,12 @@ class AgentLoop:
                 if q == "":
                     e.on_observation(self.invalid_ids)
 
-    def _result(self, episodes: list[Episode], group_id, seconds: float, calls: int, activity: Activity) -> RolloutResult:
+    def _result(self, episodes: list[Episode], group_id, seconds: float, calls: int) -> RolloutResult:
         batch = from_turns([e.turns for e in episodes],
                            group_id=list(group_id) if group_id is not None else list(range(len(episodes))))
         batch.rollout_logp_N = torch.tensor([lp for e in episodes for lp in e.logprobs], dtype=torch.float32)
         return RolloutResult(batch, [e.prompt_ids for e in episodes], episodes, seconds,
-                             _stats(episodes, seconds, calls, activity))
+                             _stats(episodes, seconds, calls, self.activity))
 
 
 def retriever_searcher(retriever, k: int, max_passage_tokens: Optional[int] = None,

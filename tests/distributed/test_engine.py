@@ -4,11 +4,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fastcredit.actor import PolicyModel
 from fastcredit.distributed.build import build_train_engine
 from fastcredit.distributed.engine import adamw
 from fastcredit.distributed.fsdp import FSDP2Engine
 from fastcredit.distributed.process_group import DistInfo
+from tiny_logits import tiny_logits_policy
 
 
 def _dcfg(**kw):
@@ -16,21 +16,8 @@ def _dcfg(**kw):
     return SimpleNamespace(**{**base, **kw})
 
 
-class _Logits(PolicyModel):
-    """A PolicyModel whose forward returns the logits of plain ids (the FSDP2 root must run the forward)."""
-
-    def forward(self, ids):
-        hidden = self.lm.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-        return self.lm.get_output_embeddings()(hidden)
-
-
 def _policy():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, tie_word_embeddings=False)
-    return _Logits(Qwen2ForCausalLM(cfg))
+    return tiny_logits_policy(vocab=50, hidden=16)
 
 
 def _grad_norm(model) -> float:

@@ -8,27 +8,11 @@ import torch
 from fastcredit.distributed.build import build_train_engine
 from fastcredit.distributed.engine import adamw
 from fastcredit.distributed.process_group import DistInfo
-
-
-class _LM(torch.nn.Module):
-    """The FSDP2 root the engine shards: the forward must enter through it (the root gathers the embeddings)."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, ids):
-        hidden = self.lm.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-        return self.lm.get_output_embeddings()(hidden)
+from tiny_logits import tiny_logits_policy
 
 
 def _policy():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, tie_word_embeddings=False)
-    return _LM(Qwen2ForCausalLM(cfg))
+    return tiny_logits_policy(vocab=64, hidden=32)
 
 
 _DCFG = SimpleNamespace(engine="fsdp2", zero_stage=3, mixed_precision=True, cpu_offload=False,
