@@ -230,3 +230,25 @@ def make_searcher(cfg: TrainConfig, tokenizer, corpus: str, progress: bool = Tru
     ranks = {} if info is None else {"rank": info.rank, "world_size": info.world_size}
     retriever = from_config(r, tokenizer=tokenizer, corpus=corpus, progress=progress, device=own, **ranks)
     return retriever_searcher(retriever, r.topk, r.max_passage_tokens, cfg.rollout.max_obs_tokens), retriever
+
+
+def sampling_params(cfg: TrainConfig, tokenizer, greedy: bool = False):
+    """The rollout's sampling parameters (``rollout.*``); ``greedy``: temperature 0, as evaluation decodes."""
+    from fastcredit.rollout.engines.base import SamplingParams
+
+    r = cfg.rollout
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return SamplingParams(max_tokens=r.max_action_tokens, temperature=0.0 if greedy else r.temperature,
+                          top_p=1.0 if greedy else r.top_p, top_k=-1 if greedy else r.top_k,
+                          stop_token_ids=eos, logprobs=False, seed=None)
+
+
+def agent_loop(cfg: TrainConfig, engine, searcher, greedy: bool = False, hook=None):
+    """The agent loop training and evaluation both roll out with (``rollout.*`` limits and mode,
+    ``retrieval.batch_size`` / ``batch_timeout_ms`` for the asynchronous retrieval batcher)."""
+    from fastcredit.rollout.agent import AgentLimits, AgentLoop
+
+    r = cfg.retrieval
+    return AgentLoop(engine, searcher, AgentLimits.from_config(cfg.rollout), sampling_params(cfg, engine.tokenizer, greedy),
+                     mode=cfg.rollout.mode, retrieval_batch=r.batch_size, retrieval_timeout_ms=r.batch_timeout_ms,
+                     step_hook=hook)

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
-import sys
 import tempfile
 import typing
 from dataclasses import dataclass
@@ -123,6 +121,7 @@ class OptimConfig:
     weight_decay: float = opt(0.01, "AdamW weight decay")
     betas: list = opt([0.9, 0.999], "AdamW betas")
     warmup_ratio: float = opt(0.0, "linear warm-up over this fraction of the steps")
+    critic_warmup_ratio: Optional[float] = opt(None, "the value model's warm-up fraction (ppo, pica; Search-R1: critic.optim.lr_warmup_steps_ratio); null: optim.warmup_ratio")
     schedule: Literal["constant", "cosine", "linear"] = opt("constant", "schedule after warm-up")
     grad_clip: float = opt(1.0, "max global gradient norm")
     total_steps: int = opt(1000, "training steps")
@@ -261,7 +260,7 @@ def _record_lines(node, prefix: str, lines: dict) -> None:
 def _apply_mapping(obj, data: dict, prefix: str, origin) -> None:
     for key, value in data.items():
         dotted = f"{prefix}{key}"
-        spec = _field_spec(obj, str(key), dotted, origin(dotted))
+        spec = _field_spec(obj, str(key), dotted, origin(dotted), full=_first_leaf(dotted, value))
         if dataclasses.is_dataclass(spec.type_):
             if not isinstance(value, dict):
                 raise ConfigError(f"{origin(dotted)}: '{dotted}' is a section; give it a mapping of keys, got {value!r}")
@@ -270,11 +269,19 @@ def _apply_mapping(obj, data: dict, prefix: str, origin) -> None:
             setattr(obj, key, _coerce(value, spec.type_, dotted, origin(dotted)))
 
 
+def _first_leaf(dotted: str, value) -> str:
+    """The first leaf key of a YAML value under ``dotted`` (``a.b`` with ``{b: {c: 1}}`` gives ``a.b.c``)."""
+    while isinstance(value, dict) and value:
+        key, value = next(iter(value.items()))
+        dotted = f"{dotted}.{key}"
+    return dotted
+
+
 def _set_dotted(cfg, key: str, value, origin: str) -> None:
     obj, parts = cfg, key.split(".")
     for i, part in enumerate(parts):
         dotted = ".".join(parts[: i + 1])
-        spec = _field_spec(obj, part, dotted, origin)
+        spec = _field_spec(obj, part, dotted, origin, full=key)
         if i == len(parts) - 1:
             if dataclasses.is_dataclass(spec.type_):
                 example = next(iter(_field_types(spec.type_)))
@@ -296,9 +303,16 @@ def _field_types(cls) -> dict:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _field_spec(obj, name: str, dotted: str, origin: str) -> _Spec:
+def _field_spec(obj, name: str, dotted: str, origin: str, full: Optional[str] = None) -> _Spec:
+    """The type of ``name`` in section ``obj``; an unknown key is an error naming the closest valid key, or the
+    fastcredit key of a veRL / Search-R1 key (``full``: the whole key being set, of which ``dotted`` is a part)."""
     types = _field_types(type(obj))
     if name not in types:
+        from fastcredit.config_aliases import explain_unknown
+
+        alias = explain_unknown(dotted, full)
+        if alias is not None:
+            raise ConfigError(f"{origin}: {alias}")
         prefix = dotted[: -len(name)]
         valid = [prefix + k for k in types]
         close = difflib.get_close_matches(dotted, valid + all_keys(), n=1, cutoff=0.6)
@@ -387,6 +401,8 @@ def validate(cfg: TrainConfig) -> None:
         (o.micro_batch_tokens > 0, "optim.micro_batch_tokens must be positive"),
         (o.lr > 0 and o.critic_lr > 0, "optim.lr and optim.critic_lr must be positive"),
         (0.0 <= o.warmup_ratio < 1.0, "optim.warmup_ratio must lie in [0, 1)"),
+        (o.critic_warmup_ratio is None or 0.0 <= o.critic_warmup_ratio < 1.0,
+         "optim.critic_warmup_ratio must lie in [0, 1) (or null: optim.warmup_ratio)"),
         (len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas must be two numbers in [0, 1)"),
         (r.n_samples >= 1, "rollout.n_samples must be at least 1"),
         (r.max_turns >= 1, "rollout.max_turns must be at least 1"),
@@ -446,37 +462,14 @@ def save_config(cfg, path: str) -> None:
     os.replace(tmp, path)
 
 
-def describe(cls=TrainConfig, prefix: str = "") -> str:
-    """One line per key: name, type, default and documentation (for ``--help``)."""
-    lines, defaults = [], cls()
-    for f in dataclasses.fields(cls):
-        tp = _field_types(cls)[f.name]
-        if dataclasses.is_dataclass(tp):
-            lines.append(f"\n[{prefix}{f.name}]  {f.metadata.get('help', '')}")
-            lines.append(describe(tp, f"{prefix}{f.name}."))
-            continue
-        default = getattr(defaults, f.name)
-        shown = "inf" if isinstance(default, float) and math.isinf(default) else repr(default)
-        lines.append(f"  {prefix}{f.name} = {shown}  ({_type_name(tp)})  {f.metadata.get('help', '')}")
-    return "\n".join(lines)
-
-
-def _type_name(tp) -> str:
-    if typing.get_origin(tp) is Literal:
-        return " | ".join(str(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is typing.Union:
-        return "optional " + " | ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
-    return getattr(tp, "__name__", str(tp))
-
-
 def parse_cli(argv: typing.Sequence[str]) -> tuple[Optional[str], list[str]]:
-    """Split ``[--config X.yaml] [key=value …]``; prints the key reference on --help."""
+    """Split ``[--config X.yaml] [key=value …]``. Help is the command's own: ``fastcredit.cli.handle_help``
+    answers ``--help`` before this runs."""
     path, overrides, args = None, [], list(argv)
     while args:
         a = args.pop(0)
-        if a in ("-h", "--help"):
-            print(describe())
-            sys.exit(0)
+        if a in ("-h", "--help") or a.startswith("--help="):
+            raise ConfigError(f"{a} reached the config parser; call fastcredit.cli.handle_help(argv, ...) first")
         if a == "--config":
             if not args:
                 raise ConfigError("--config needs a YAML path")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import string
-import unicodedata
 from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -47,8 +46,10 @@ def extract_answer(text: Optional[str]) -> Optional[str]:
 
 
 def normalize_answer(text: str) -> str:
-    """SQuAD normalisation: lower case, drop punctuation and a/an/the, collapse white space."""
-    text = unicodedata.normalize("NFKC", str(text)).lower()
+    """SQuAD normalisation exactly as Search-R1's ``qa_em.normalize_answer``: lower case, drop ASCII punctuation,
+    then a/an/the, collapse white space. No unicode folding (NFKC would score "ﬁve" or full-width letters
+    differently from the papers' tables)."""
+    text = str(text).lower()
     text = "".join(ch for ch in text if ch not in _PUNCT)
     text = _ARTICLES.sub(" ", text)
     return " ".join(text.split())

@@ -8,11 +8,17 @@
     nsys profile --capture-range=cudaProfilerApi python -m fastcredit.train --profile ...
     python -m fastcredit.train --config configs/criticsearch.yaml --memory-report --gpu-gib 80 --gpus 8
 
+Settings come from the YAML (default: configs/demo.yaml), then key=value overrides. Each step
+prints a line of the console table (reward, EM, KL, gradient norm, seconds per phase); the run
+folder (logging.output_dir) gets metrics.jsonl, curves.png and the checkpoints. At the end the
+held-out EM before and after training is printed.
+
 ``--memory-report`` prints the GPU memory budget of every phase (``fastcredit.memory``) and
 exits before anything loads: 0 when it fits, 2 when it cannot run.
-``--help`` lists these flags and every config key. The training loop is :class:`fastcredit.trainer.Trainer`;
-this module parses the command line, starts and ends the process group, and reports.
 Exit status: 0 done, 2 bad config (or a memory report that cannot run), 3 stopped by the collapse guard.
+
+The training loop is :class:`fastcredit.trainer.Trainer`; this module parses the command line,
+starts and ends the process group, and reports.
 """
 from __future__ import annotations
 
@@ -20,52 +26,42 @@ import os
 import sys
 from typing import Optional
 
+from fastcredit.cli import format_usage, handle_help, take_flags
 from fastcredit.config import ConfigError, load_config, parse_cli
 from fastcredit.distributed.process_group import init_distributed, shutdown
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
 
 
-FLAGS = """python -m fastcredit.train [--config X.yaml] [key=value ...] [flags]
-  --resume              continue from the run directory's last checkpoint
-  --profile             CUDA profiler range around the steps (nsys --capture-range=cudaProfilerApi)
-  --memory-report       print the GPU memory budget of each phase and exit (nothing loads); exit 2 if it cannot run
-    --gpu-gib G         GPU size in GiB (default: the local GPU's, else 80)
-    --gpus N            GPUs, one rank each (default: WORLD_SIZE, else 1)
-    --index-rows N --index-dim D   retrieval index size when its file is not here
+SYNOPSIS = """python -m fastcredit.train [--config X.yaml] [key=value ...] [--resume] [--profile]
+       python -m fastcredit.train [--config X.yaml] [key=value ...] --memory-report [--gpu-gib G] [--gpus N]"""
+FLAGS = """
+--config X.yaml       the run's YAML (values only; default configs/demo.yaml); key=value overrides apply after it
+--resume              continue from the run folder's last checkpoint (metrics.jsonl is cut back to it)
+--profile             CUDA profiler range around three steps (nsys --capture-range=cudaProfilerApi)
+--memory-report       print the GPU memory budget of each phase and exit (nothing loads); exit 2 if it cannot run
+  --gpu-gib G         GPU size in GiB (default: the local GPU's, else 80)
+  --gpus N            GPUs, one rank each (default: WORLD_SIZE, else 1)
+  --index-rows N --index-dim D   retrieval index size when its file is not here
+-h, --help [PREFIX]   this help; with PREFIX the config keys under it (rollout, optim.lr, all)
 """
+USAGE = format_usage(SYNOPSIS, __doc__, FLAGS)
 # --memory-report's options and how each value is read
 REPORT_OPTIONS = {"--gpu-gib": float, "--gpus": int, "--index-rows": int, "--index-dim": int}
 
 
 def _report_flags(argv: list) -> tuple[Optional[dict], list]:
     """Take --memory-report and its options out of ``argv``: (options or None, the rest)."""
-    opts, rest, args = {}, [], list(argv)
-    while args:
-        a = args.pop(0)
-        name, eq, value = a.partition("=")
-        if name in REPORT_OPTIONS:
-            if not eq:
-                if not args:
-                    raise ConfigError(f"{name} needs a value")
-                value = args.pop(0)
-            try:
-                opts[name] = REPORT_OPTIONS[name](value)
-            except ValueError:
-                raise ConfigError(f"{name} must be a number, got {value!r}") from None
-        elif a == "--memory-report":
-            opts["report"] = True
-        else:
-            rest.append(a)
-    if opts and "report" not in opts:
+    opts, rest = take_flags(argv, {**REPORT_OPTIONS, "--memory-report": None})
+    report = opts.pop("--memory-report", False)
+    if opts and not report:
         raise ConfigError(f"{', '.join(opts)} only apply with --memory-report")
-    return (opts or None), rest
+    return ({**opts, "report": True} if report else None), rest
 
 
 def main(argv: Optional[list] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        print(FLAGS)
+    handle_help(argv, USAGE)
     resume, profile = "--resume" in argv, "--profile" in argv
     argv = [a for a in argv if a not in ("--resume", "--profile")]
     try:
@@ -124,8 +120,7 @@ def _report(trainer, summary: dict) -> None:
         print(f"held-out EM: {'n/a' if before is None else f'{before:.3f}'} before -> {after:.3f} after "
               f"{trainer.step} steps")
     if trainer.logger.path and os.path.exists(trainer.logger.path):
-        png = plot_metrics(trainer.logger.path, os.path.join(trainer.out_dir, "curves.png"),
-                           keys=("reward", "em", "eval/em"), title=trainer.cfg.run_name)
+        png = plot_metrics(trainer.logger.path, os.path.join(trainer.out_dir, "curves.png"), title=trainer.cfg.run_name)
         print(f"metrics: {trainer.logger.path}\ncurves:  {png}")
 
 

@@ -9,11 +9,11 @@ import typing
 
 import pytest
 
+from fastcredit.cli import describe
 from fastcredit.config import (
     ConfigError,
     TrainConfig,
     all_keys,
-    describe,
     load_config,
     parse_cli,
     save_config,
@@ -151,7 +151,8 @@ def test_cli_parsing():
 
 
 def test_help_from_the_command_line():
-    out = subprocess.run([sys.executable, "-m", "fastcredit.prepare", "--help"], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-m", "fastcredit.prepare", "--help", "all"], capture_output=True, text=True,
+                         cwd=ROOT)
     assert out.returncode == 0 and "credit.cwgrpo.alpha" in out.stdout
 
 

@@ -40,7 +40,26 @@ def test_extract_answer(text, expected):
 def test_normalisation():
     assert normalize_answer("The  Eiffel-Tower!") == "eiffeltower"
     assert normalize_answer("An apple, a pear") == "apple pear"
-    assert normalize_answer("ＡＢＣ") == "abc"  # NFKC folds full-width letters
+    # As Search-R1's qa_em: no unicode folding, so a ligature or full-width letters never match ASCII
+    assert normalize_answer("ＡＢＣ") == "ａｂｃ" and exact_match("ＡＢＣ", ["abc"]) == 0.0
+    assert exact_match("\ufb01ve", ["five"]) == 0.0 and exact_match("Five!", ["five"]) == 1.0
+
+
+def _searchr1_normalize(s):
+    """Search-R1's verl/utils/reward_score/qa_em.py normalize_answer, step by step as it is written there."""
+    import re
+    import string
+
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+@given(st.text(alphabet=st.sampled_from(list("aAnNtThHeE .,!-'\u00e9\uff21\ufb01\u0130\u00df\t\n")) | st.characters(),
+               max_size=40))
+def test_normalisation_is_search_r1s(text):
+    assert normalize_answer(text) == _searchr1_normalize(text)
 
 
 def test_em_and_f1_take_the_best_gold():

@@ -135,11 +135,26 @@ def test_prompt_sampler_reseed_changes_the_order_but_not_the_position():
     assert b.state() == a.state() and a.take(20) != b.take(20)
 
 
-def test_torchrun_two_processes_fsdp2(tmp_path):
-    out = str(tmp_path / "ddp")
-    proc = torchrun(out, "credit.estimator=criticsearch", "judges.backend=oracle")
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory):
+    """Two steps under torchrun with FSDP2: (output folder, process)."""
+    out = str(tmp_path_factory.mktemp("fsdp2") / "ddp")
+    return out, torchrun(out, "credit.estimator=criticsearch", "judges.backend=oracle")
+
+
+def test_torchrun_two_processes_fsdp2(fsdp2_run):
+    out, proc = fsdp2_run
     assert "2 process(es)" in proc.stdout and [r["step"] for r in metrics(out) if "reward" in r] == [1, 2]
     assert os.path.isdir(os.path.join(out, "checkpoints", "step_000002"))
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
+def test_two_rank_checkpoints_export_in_one_process(request, tmp_path, engine):
+    """``fastcredit.export`` reassembles the two ranks' FSDP2 shards / ZeRO-3 partitions without a process group."""
+    from test_export import export_equals_the_trainers_weights
+
+    run = request.getfixturevalue("fsdp2_run" if engine == "fsdp2" else "deepspeed_run")[0]
+    export_equals_the_trainers_weights(run, str(tmp_path / "hf"), engine, step=2)
 
 
 @pytest.mark.slow

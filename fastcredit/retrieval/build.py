@@ -23,6 +23,7 @@ from typing import Optional
 
 import numpy as np
 
+from fastcredit.cli import argparser
 from fastcredit.retrieval.cli import add_encoder_args
 from fastcredit.retrieval.corpus import CorpusStore, open_corpus_store
 from fastcredit.retrieval.encoders import Encoder
@@ -148,8 +149,7 @@ def build_all(corpus: str, out_dir: str, encoder: str = "minilm", pooling: str =
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fastcredit.retrieval.build", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparser("python -m fastcredit.retrieval.build", __doc__)
     p.add_argument("--corpus", required=True, help="corpus jsonl (Search-R1 format: id, contents)")
     p.add_argument("--out", required=True, help="output folder (created; resumed when it holds a partial build)")
     add_encoder_args(p, query_prefix_help="recorded for search time (E5: 'query: ')",

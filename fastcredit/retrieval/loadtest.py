@@ -11,7 +11,6 @@ request must get its 4xx. Refuses non-loopback URLs: this is not a tool for othe
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -176,7 +175,9 @@ async def run_load_test(url: str, pool: Sequence[str], clients: int = 64, durati
 
 
 def main(argv: Optional[list] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fastcredit.retrieval.loadtest", description=__doc__.split("\n\n")[0])
+    from fastcredit.cli import argparser
+
+    p = argparser("python -m fastcredit.retrieval.loadtest", __doc__)
     p.add_argument("--url", default="http://127.0.0.1:8000/retrieve")
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--duration", type=float, default=3.0, help="seconds of load (bounded: at most 300)")

@@ -30,6 +30,7 @@ from typing import Callable, Optional
 from aiohttp import web
 
 from fastcredit.batching import MicroBatcher, QueueFull
+from fastcredit.cli import argparser
 from fastcredit.retrieval.cli import add_encoder_args
 
 log = logging.getLogger(__name__)
@@ -215,18 +216,23 @@ class ServerThread:
 
 def _parser() -> argparse.ArgumentParser:
     d = ServerLimits()
-    p = argparse.ArgumentParser(prog="python -m fastcredit.retrieval.serve", description=__doc__.split("\n\n")[0])
+    p = argparser("python -m fastcredit.retrieval.serve", __doc__)
     p.add_argument("--index", default=None, help="FAISS index file (Search-R1's e5_Flat.index) or a fastcredit build folder")
     p.add_argument("--corpus", default=None, help="corpus jsonl (needed unless --index is a build folder)")
     add_encoder_args(p, query_prefix_help="E5: 'query: '", passage_prefix_help="E5: 'passage: ' (only used when building)")
     p.add_argument("--num-shards", type=int, default=0, help="GPUs to shard a flat index over (0: all)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes the server to the network)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--topk", type=int, default=d.default_topk, help="passages per query when a request sets none")
-    for name in ("max_topk", "max_queries", "max_query_chars", "max_body_bytes", "max_queue", "batch_size"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    p.add_argument("--timeout-s", type=float, default=d.timeout_s, help="per-request limit, queueing included")
-    p.add_argument("--batch-timeout-ms", type=float, default=d.batch_timeout_ms)
+    for name, what in (("max_topk", "largest topk a request may ask for"), ("max_queries", "queries per request"),
+                       ("max_query_chars", "characters per query"), ("max_body_bytes", "bytes per request body"),
+                       ("max_queue", "queries waiting across requests (more: 503)"),
+                       ("batch_size", "queries per encoder + index call")):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), help=what)
+    p.add_argument("--timeout-s", type=float, default=d.timeout_s,
+                   help="per-request limit, queueing included (past it: 504)")
+    p.add_argument("--batch-timeout-ms", type=float, default=d.batch_timeout_ms,
+                   help="how long a batch waits for more queries before it runs")
     return p
 
 

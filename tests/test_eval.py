@@ -1,0 +1,262 @@
+"""``fastcredit.eval``: questions spread over data sources, scores as Search-R1's qa_em, the papers' table, the
+predictions cache (resume after an interruption), the command on the toy world and on a fabricated seven-source
+parquet in Search-R1's schema, a run folder evaluated through its exported checkpoint, and the trainer's periodic
+evaluation per data source."""
+import json
+import os
+import re
+import string
+import subprocess
+import sys
+import zlib
+from dataclasses import replace
+
+import pytest
+
+from fastcredit import components as C
+from fastcredit import eval as E
+from fastcredit import evaluation as V
+from fastcredit.config import load_config
+from fastcredit.data.loaders import DataError, QAExample, write_searchr1_parquet
+from fastcredit.data.toyqa import oracle_actions
+from fastcredit.rollout.engines.base import GenOutput
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEBUG = os.path.join(ROOT, "configs", "debug.yaml")
+SEVEN = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
+
+
+def searchr1_em(prediction, golds) -> float:
+    """Search-R1's qa_em.em_check with its normalize_answer, as written there."""
+    def norm(s):
+        s = s.lower()
+        s = "".join(ch for ch in s if ch not in set(string.punctuation))
+        return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
+
+    return float(prediction is not None and any(norm(g) == norm(prediction) for g in golds))
+
+
+def _examples(counts: dict) -> list:
+    return [QAExample(f"{s}-{k}", f"q {s} {k}", ["a"], data_source=s) for s, n in counts.items() for k in range(n)]
+
+
+# ------------------------------------------------------------------------------------------- units
+
+
+def test_questions_are_spread_evenly_over_sources_and_the_same_every_time():
+    exs = _examples({"hotpotqa": 50, "nq": 50, "bamboogle": 3, "toy": 20})
+    idx = V.sample_per_source(exs, 30, seed=1)
+    by = {s: sum(exs[i].data_source == s for i in idx) for s in ("nq", "hotpotqa", "bamboogle", "toy")}
+    assert by == {"nq": 9, "hotpotqa": 9, "bamboogle": 3, "toy": 9}  # bamboogle runs out; the others share its rest
+    assert idx == sorted(idx) and len(set(idx)) == 30
+    assert V.sample_per_source(exs, 30, seed=1) == idx and V.sample_per_source(exs, 30, seed=2) != idx
+    assert V.sample_per_source(exs, 500, seed=1) == list(range(len(exs)))
+
+
+def test_summary_and_table_follow_the_papers_layout():
+    recs = [{"data_source": s, "em": em, "f1": f1} for s, em, f1 in
+            [("hotpotqa", 1, 1), ("hotpotqa", 0, 0.5), ("nq", 1, 1), ("bamboogle", 0, 0), ("bamboogle", 0, 0.2),
+             ("popqa", 1, 1), ("zeta", 0, 0)]]
+    s = V.summarize(V.source_sums(recs), in_domain={"nq", "hotpotqa"})
+    assert [r["name"] for r in s["sources"]] == ["nq", "popqa", "hotpotqa", "bamboogle", "zeta"]  # papers' order
+    assert s["in_domain"]["em"] == pytest.approx((1 + 0.5) / 2) and s["in_domain"]["f1"] == pytest.approx(0.875)
+    assert s["out_of_domain"]["em"] == pytest.approx((1 + 0 + 0) / 3)
+    assert s["average"]["em"] == pytest.approx((1 + 1 + 0.5 + 0 + 0) / 5)  # a mean over sources, not questions
+    assert s["questions"] == {"em": pytest.approx(3 / 7), "f1": pytest.approx(3.7 / 7), "n": 7}
+    md = V.format_markdown(s, "m").splitlines()
+    assert md[0] == "| m | nq† | popqa* | hotpotqa† | bamboogle* | zeta* | in-domain avg | out-of-domain avg | avg |"
+    assert md[2] == "| EM | 1.000 | 1.000 | 0.500 | 0.000 | 0.000 | 0.750 | 0.333 | 0.500 |"
+    m = V.eval_metrics(s)
+    assert m["eval/em"] == pytest.approx(0.5) and m["eval/em/hotpotqa"] == 0.5 and m["eval/f1/bamboogle"] == 0.1
+
+
+def test_the_predictions_cache_drops_a_torn_line_and_refuses_another_evaluation(tmp_path):
+    meta = {"model": "m", "data": "d"}
+    cache = V.PredictionCache(str(tmp_path), meta)
+    cache.add([{"index": 0, "em": 1.0}, {"index": 1, "em": 0.0}])
+    with open(cache.path, "a") as f:
+        f.write('{"index": 2, "e')  # killed mid-write
+    again = V.PredictionCache(str(tmp_path), meta)
+    assert sorted(again.done) == [0, 1]
+    again.add([{"index": 2, "em": 1.0}])
+    assert [json.loads(x)["index"] for x in open(cache.path)] == [0, 1, 2]
+    with pytest.raises(E.ConfigError, match="model: 'm' -> 'other'"):
+        V.PredictionCache(str(tmp_path), {**meta, "model": "other"})
+    with open(cache.path, "w") as f:
+        f.write('{"index": 0}\nnot json\n{"index": 1}\n')
+    with pytest.raises(DataError, match="line 2"):
+        V.PredictionCache(str(tmp_path), meta)
+    assert sorted(V.PredictionCache(str(tmp_path), meta, fresh=True).done) == []
+
+
+# ---------------------------------------------------------------------- the command, scripted policy
+
+
+class OracleEngine:
+    """A policy that plays the toy world's oracle trajectory (search each gold hop, then answer), but answers
+    "nobody" on questions whose id hashes to 0 mod 3, so the expected EM of any question set is known.
+    Counts the questions it is asked to start and can be told to fail after some."""
+
+    def __init__(self, tokenizer, examples, fail_after=None):
+        self.tokenizer, self.by_question = tokenizer, {ex.question: ex for ex in examples}
+        self.started, self.fail_after = 0, fail_after
+
+    @staticmethod
+    def right(ex) -> bool:
+        return zlib.crc32(ex.id.encode()) % 3 != 0
+
+    def _one(self, prompt, params):
+        text = self.tokenizer.decode(prompt, skip_special_tokens=False)
+        ex = max((ex for q, ex in self.by_question.items() if q in text), key=lambda ex: len(ex.question))
+        turn = text[text.index(ex.question):].count("</information>")  # the prompt's own mention comes before
+        if turn == 0:
+            self.started += 1
+            if self.fail_after is not None and self.started > self.fail_after:
+                raise RuntimeError("engine died")
+        actions = oracle_actions(ex)
+        action = actions[min(turn, len(actions) - 1)][0]
+        if turn >= len(actions) - 1 and not self.right(ex):
+            action = "<think>I do not know.</think>\n<answer> nobody </answer>"
+        ids = self.tokenizer(action, add_special_tokens=False)["input_ids"]
+        return GenOutput(ids, [0.0] * len(ids), "stop", None)
+
+    def generate(self, prompts, params):
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        return [self._one(p, q) for p, q in zip(prompts, params)]
+
+    async def agenerate(self, prompt, params):
+        return self._one(prompt, params)
+
+    def close(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """The toy world, a tiny model folder with its tokenizer, the world's config, and a seven-source parquet."""
+    from fastcredit.models.tiny import build_tiny_policy, save_tiny_policy
+
+    base = tmp_path_factory.mktemp("eval")
+    cfg = load_config(DEBUG, [f"data.world_dir={base}/world", f"logging.output_dir={base}/run",
+                              "data.toy.num_people=80", "data.toy.num_companies=20", "data.toy.num_questions=60",
+                              "rollout.max_turns=4", "rollout.max_obs_tokens=160",
+                              "rollout.max_response_tokens=640", "rollout.max_action_tokens=64"])
+    data = C.load_data(cfg)
+    tok = C.load_tokenizer(cfg, data, str(base / "run"))
+    folder = save_tiny_policy(build_tiny_policy(tok, hidden=32, layers=1, heads=2), tok, str(base / "model"))
+    every = data.train + data.test
+    seven = [replace(ex, data_source=SEVEN[i % 7]) for i, ex in enumerate(every)]
+    write_searchr1_parquet(seven, str(base / "test.parquet"), split="test")
+    return {"cfg": cfg, "data": data, "folder": folder, "parquet": str(base / "test.parquet"), "seven": seven,
+            "base": base}
+
+
+def _run(toy, monkeypatch, examples, fail_after=None, **kw):
+    engines = []
+
+    def make(kind, folder, tokenizer, cfg, device):
+        engines.append(OracleEngine(tokenizer, examples, fail_after))
+        return engines[-1]
+
+    monkeypatch.setattr(E, "_make_engine", make)
+    return E.evaluate(toy["cfg"], toy["folder"], progress=False, **kw), engines
+
+
+def test_eval_on_the_toy_world(toy, monkeypatch, tmp_path):
+    test = toy["data"].test
+    res, engines = _run(toy, monkeypatch, test, out=str(tmp_path / "e"))
+    assert engines[0].started == len(test)
+    want = sum(OracleEngine.right(ex) for ex in test) / len(test)
+    assert 0 < want < 1 and res["sources"] == [{"name": "toyworld", "n": len(test), "em": pytest.approx(want),
+                                                "f1": pytest.approx(want), "in_domain": True}]
+    preds = [json.loads(x) for x in open(tmp_path / "e" / "predictions.jsonl")]
+    assert sorted(p["index"] for p in preds) == list(range(len(test)))
+    for p in preds:  # each EM as Search-R1 scores the prediction; the oracle searched every hop
+        ex = test[p["index"]]
+        assert p["em"] == searchr1_em(p["prediction"], ex.golden_answers) == float(OracleEngine.right(ex))
+        assert p["searches"] == len(ex.metadata["hops"]) and p["format_ok"]
+    assert json.load(open(tmp_path / "e" / "results.json"))["average"]["em"] == pytest.approx(want)
+    assert "| EM | " in open(tmp_path / "e" / "results.md").read()
+
+
+def test_eval_on_a_seven_source_parquet_in_search_r1s_schema(toy, monkeypatch, tmp_path):
+    seven = toy["seven"]
+    res, engines = _run(toy, monkeypatch, seven, data=toy["parquet"], limit=35, out=str(tmp_path / "e"),
+                        in_domain=("nq", "hotpotqa"))
+    assert engines[0].started == 35
+    assert [r["name"] for r in res["sources"]] == list(SEVEN) and all(r["n"] == 5 for r in res["sources"])
+    assert [r["in_domain"] for r in res["sources"]] == [s in ("nq", "hotpotqa") for s in SEVEN]
+    preds = [json.loads(x) for x in open(tmp_path / "e" / "predictions.jsonl")]
+    for s in res["sources"]:
+        mine = [seven[p["index"]] for p in preds if p["data_source"] == s["name"]]
+        assert s["em"] == pytest.approx(sum(OracleEngine.right(ex) for ex in mine) / len(mine))
+    ood = [r["em"] for r in res["sources"] if not r["in_domain"]]
+    assert res["out_of_domain"]["em"] == pytest.approx(sum(ood) / 5)
+    head = open(tmp_path / "e" / "results.md").readline()
+    assert head.startswith("| model | nq† | triviaqa* | popqa* | hotpotqa† | 2wikimultihopqa* | musique* | bamboogle* |")
+
+
+def test_an_interrupted_eval_resumes_where_it_stopped(toy, monkeypatch, tmp_path):
+    seven, out = toy["seven"], str(tmp_path / "e")
+    with pytest.raises(RuntimeError, match="engine died"):  # dies in the second chunk of 10
+        _run(toy, monkeypatch, seven, data=toy["parquet"], limit=28, batch=10, out=out, fail_after=15)
+    assert len(open(os.path.join(out, "predictions.jsonl")).readlines()) == 10
+    res, engines = _run(toy, monkeypatch, seven, data=toy["parquet"], limit=28, batch=10, out=out)
+    assert engines[0].started == 28 - 10
+    full, _ = _run(toy, monkeypatch, seven, data=toy["parquet"], limit=28, out=str(tmp_path / "full"))
+    assert res["sources"] == full["sources"]
+    with pytest.raises(E.ConfigError, match="limit"):  # another question set: refused, not mixed in
+        _run(toy, monkeypatch, seven, data=toy["parquet"], limit=21, out=out)
+
+
+def test_the_command_refuses_bad_input(toy, tmp_path, capsys):
+    assert E.main(["--data", toy["parquet"]]) == 2
+    assert "--model" in capsys.readouterr().err
+    assert E.main(["--model", str(tmp_path / "none")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    assert E.main(["--model", toy["folder"], "--data", str(tmp_path / "missing.parquet")]) == 2
+    assert "missing.parquet" in capsys.readouterr().err
+    assert E.main(["--model", toy["folder"], "--step", "3"]) == 2
+    assert "run folder" in capsys.readouterr().err
+
+
+# ------------------------------------------------- a trained run: periodic eval per source, then the command
+
+
+@pytest.fixture(scope="module")
+def run(toy):
+    """Two training steps of the debug config on the seven-source parquet (train and test), evaluating every step."""
+    base = toy["base"]
+    out = str(base / "trained")
+    cmd = [sys.executable, "-m", "fastcredit.train", "--config", DEBUG, f"logging.output_dir={out}",
+           "data.source=searchr1", f"data.train_path={toy['parquet']}", f"data.test_path={toy['parquet']}",
+           f"retrieval.corpus={toy['data'].corpus}", "eval.questions=14", "eval.every=1", "optim.total_steps=2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc
+
+
+def test_the_trainers_periodic_eval_scores_every_source(run):
+    out, proc = run
+    rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    evals = [r for r in rows if "eval/em" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    for r in evals:
+        assert {k.split("/")[2] for k in r if k.startswith("eval/em/")} == set(SEVEN)
+        assert r["eval/em"] == pytest.approx(sum(r[f"eval/em/{s}"] for s in SEVEN) / 7)
+    assert "held-out EM before training:" in proc.stdout and "bamboogle" in proc.stdout
+
+
+def test_eval_of_a_run_goes_through_its_exported_checkpoint(run, capsys):
+    out, _ = run
+    assert E.main(["--model", out, "--limit", "7", "--in-domain", "hotpotqa"]) == 0
+    printed = capsys.readouterr().out
+    assert os.path.exists(os.path.join(out, "exports", "step_000002", "config.json"))
+    folder = os.path.join(out, "eval", "test-step000002")
+    res = json.load(open(os.path.join(folder, "results.json")))
+    assert res["step"] == 2 and [r["n"] for r in res["sources"]] == [1] * 7
+    assert [r["name"] for r in res["sources"] if r["in_domain"]] == ["hotpotqa"]
+    for p in map(json.loads, open(os.path.join(folder, "predictions.jsonl"))):
+        assert p["em"] == searchr1_em(p["prediction"], p["golden_answers"])
+    assert "| model" not in printed and "| trained step 2 |" in printed
