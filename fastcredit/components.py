@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from fastcredit.config import TrainConfig
+from fastcredit.config import ConfigError, TrainConfig
+from fastcredit.config_checks import check_paths
 from fastcredit.data.loaders import DataError, load_qa
 
 
@@ -28,8 +29,13 @@ class Data:
 
 
 def load_data(cfg: TrainConfig, rank: int = 0) -> Data:
-    """The toy world (generated once into ``data.world_dir``, rank 0 writes) or Search-R1 / FlashRAG files."""
+    """The toy world (generated once into ``data.world_dir``, rank 0 writes) or Search-R1 / FlashRAG files.
+    A missing file, an empty training set or a missing ``retrieval.corpus`` is an error naming it."""
+    check_paths(cfg, "data")  # before anything is read or generated
     data = _load_data(cfg, rank)
+    if not data.train:
+        where = cfg.data.train_path if cfg.data.source != "toy" else os.path.join(cfg.data.world_dir, "train.jsonl")
+        raise DataError(f"{where}: no training questions (an empty file?)")
     if cfg.data.prompt_source == "parquet":  # every row must bring its own prompt: say so before anything trains
         for split, path, examples in (("train", cfg.data.train_path, data.train), ("test", cfg.data.test_path, data.test)):
             missing = next((ex for ex in examples if ex.prompt is None), None)
@@ -37,6 +43,9 @@ def load_data(cfg: TrainConfig, rank: int = 0) -> Data:
                 raise DataError(f"{path or cfg.data.world_dir}: {split} example {missing.id!r} has no 'prompt' field, "
                                 "which data.prompt_source=parquet reads (the toy world has none; "
                                 "data.prompt_source=template builds prompts from the questions)")
+    if data.corpus is None and cfg.retrieval.backend == "local":
+        raise ConfigError(f"data.source={cfg.data.source} needs retrieval.corpus: the corpus jsonl (Search-R1 format) "
+                          "the retriever searches, the one its index was built from")
     return data
 
 
@@ -93,6 +102,7 @@ def _wait_for(folder: str, key: dict, timeout_s: float = 600.0) -> None:
 
 def load_tokenizer(cfg: TrainConfig, data: Data, out_dir: str, rank: int = 0):
     """The policy's tokenizer; ``tiny`` trains a byte-level BPE over the corpus and prompts (rank 0, once)."""
+    check_paths(cfg, "model")  # a missing folder named here, not as a Hugging Face hub id
     from transformers import AutoTokenizer
 
     if cfg.model.policy != "tiny":
@@ -137,6 +147,7 @@ def smollm2_files() -> tuple[str, str]:
 def load_policy(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
     """The policy's HF causal LM in float32 on the CPU: the master weights the training engine shards onto the
     device (``model.dtype`` is the compute dtype there, not the storage dtype)."""
+    check_paths(cfg, "model")
     from transformers import AutoModelForCausalLM
 
     m = cfg.model
@@ -217,6 +228,7 @@ def make_searcher(cfg: TrainConfig, tokenizer, corpus: str, progress: bool = Tru
     from fastcredit.rollout.agent import http_searcher, retriever_searcher
 
     r = cfg.retrieval
+    check_paths(cfg, "retrieval")  # corpus, encoder, and an index retrieval.build_index will not build
     if r.backend == "http":
         from fastcredit.retrieval.client import RetrievalClient
 

@@ -3,7 +3,8 @@
     cfg = load_config("configs/cwgrpo.yaml", ["credit.cwgrpo.alpha=inf", "rollout.max_turns=4"])
 
 YAML files hold values only; every default lives here, next to its documentation.
-Overrides apply after the YAML. Unknown keys and wrong types raise ConfigError naming
+Overrides apply after the YAML. Unknown keys, keys given twice in one YAML mapping, wrong
+types and numbers out of range (``fastcredit.config_checks.RANGES``) raise ConfigError naming
 the key, where it came from (file and line, or the command line) and the closest valid key.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from fastcredit.config_checks import ConfigError, check_config
 from fastcredit.credit.config import CreditConfig
 from fastcredit.data.toyworld import ToyWorldConfig
 from fastcredit.fields import opt
@@ -56,7 +58,8 @@ class RetrievalConfig:
     backend: Literal["local", "http"] = opt("local", "in-process batched retriever, or a Search-R1 /retrieve server")
     url: str = opt("http://127.0.0.1:8000/retrieve", "server address for backend=http")
     corpus: Optional[str] = opt(None, "corpus jsonl (Search-R1 format); defaults to the toy world's")
-    index: Optional[str] = opt(None, "index file (e.g. Search-R1's e5_Flat.index); built if absent")
+    index: Optional[str] = opt(None, "index file (e.g. Search-R1's e5_Flat.index) or folder of python -m fastcredit.retrieval.build; null: the index beside the corpus (<corpus>.fastcredit/, the toy world's), built or brought up to date at start")
+    build_index: Literal["auto", "missing", "never"] = opt("auto", "when the run builds an index: 'auto' only the one beside the corpus (retrieval.index null), so a retrieval.index that is set must exist; 'missing' also a set retrieval.index that does not exist, at that path; 'never' nothing (retrieval.index must be set and exist)")
     index_type: Literal["flat", "hnsw", "ivfpq", "torch"] = opt("flat", "FAISS flat IP, HNSW, IVF-PQ, or a torch matmul flat index")
     encoder: str = opt("minilm", "query encoder: 'minilm' (packaged all-MiniLM-L6-v2) or a local HF encoder folder")
     pooling: Literal["mean", "cls"] = opt("mean", "encoder pooling")
@@ -107,6 +110,8 @@ class JudgesConfig:
     model: Optional[str] = opt(None, "judge weights (colocated: a local HF folder; of the policy's architecture it is switched into the policy's engine) or model name (http)")
     url: str = opt("http://127.0.0.1:8001/v1", "OpenAI-compatible endpoint for backend=http")
     temperature: float = opt(0.0, "judge sampling temperature")
+    retry_temperature: float = opt(0.7, "temperature of a re-ask after an unparseable verdict (each with a seed of its own; a greedy re-ask repeats the same text)")
+    constrained: bool = opt(False, "decode under the verdict grammar so every verdict parses (fastcredit.judges.grammar; the HF engine masks logits, vLLM uses structured outputs; backend=http needs a vLLM server)")
     max_tokens: int = opt(1024, "judge output budget")
     concurrency: int = opt(64, "in-flight requests to an http judge")
     timeout_s: float = opt(60.0, "per-request timeout for an http judge")
@@ -119,11 +124,11 @@ class OptimConfig:
     lr: float = opt(1e-6, "policy learning rate")
     critic_lr: float = opt(1e-5, "value-model learning rate (ppo, pica)")
     weight_decay: float = opt(0.01, "AdamW weight decay")
-    betas: list = opt([0.9, 0.999], "AdamW betas")
+    betas: list[float] = opt([0.9, 0.999], "AdamW betas")
     warmup_ratio: float = opt(0.0, "linear warm-up over this fraction of the steps")
     critic_warmup_ratio: Optional[float] = opt(None, "the value model's warm-up fraction (ppo, pica; Search-R1: critic.optim.lr_warmup_steps_ratio); null: optim.warmup_ratio")
     schedule: Literal["constant", "cosine", "linear"] = opt("constant", "schedule after warm-up")
-    grad_clip: float = opt(1.0, "max global gradient norm")
+    grad_clip: float = opt(1.0, "max global gradient norm (inf: no clipping, the norm is still measured)")
     total_steps: int = opt(1000, "training steps")
     batch_prompts: int = opt(512, "prompts per step (each sampled n_samples times)")
     mini_batch_prompts: int = opt(256, "prompts per optimizer step (PPO mini-batch)")
@@ -153,7 +158,7 @@ class LoggingConfig:
     progress: bool = opt(True, "progress bars")
     nvtx: bool = opt(True, "NVTX ranges around phases (no-op without a GPU)")
     checkpoint_every: int = opt(50, "steps between checkpoints (0: only at the end)")
-    keep_checkpoints: int = opt(2, "checkpoints kept on disk")
+    keep_checkpoints: int = opt(2, "checkpoints kept on disk (0: all)")
 
 
 @dataclass
@@ -200,20 +205,18 @@ class TrainConfig:
     guard: GuardConfig = opt(GuardConfig, "collapse guard on KL, gradient norm and reward")
 
 
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message names the key and its origin."""
-
-
 def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()) -> TrainConfig:
     """Defaults, then the YAML file (if any), then ``key=value`` overrides; validated."""
-    cfg = TrainConfig()
+    cfg, origins = TrainConfig(), {}
     if path is not None:
         data, lines = _read_yaml(path)
         _apply_mapping(cfg, data, prefix="", origin=lambda k: f"{path} line {lines.get(k, '?')}")
+        origins.update((k, f"{path} line {n}") for k, n in lines.items())
     for item in overrides:
         key, value = _split_override(item)
-        _set_dotted(cfg, key, value, origin=f"command line '{item}'")
-    validate(cfg)
+        origins[key] = f"command line '{item}'"
+        _set_dotted(cfg, key, value, origin=origins[key])
+    validate(cfg, origins)
     return cfg
 
 
@@ -245,16 +248,23 @@ def _read_yaml(path: str) -> tuple[dict, dict]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
     lines: dict[str, int] = {}
-    _record_lines(node, "", lines)
+    _record_lines(node, "", lines, path)
     return data, lines
 
 
-def _record_lines(node, prefix: str, lines: dict) -> None:
-    if isinstance(node, yaml.MappingNode):
+def _record_lines(node, prefix: str, lines: dict, path: str) -> None:
+    """The line of every dotted key; a key given twice in one mapping (YAML keeps the last) is an error."""
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _record_lines(item, f"{prefix}{i}.", lines, path)
+    elif isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
         for key_node, value_node in node.value:
-            key = f"{prefix}{key_node.value}"
-            lines[key] = key_node.start_mark.line + 1
-            _record_lines(value_node, key + ".", lines)
+            key, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
+            if key in seen:
+                raise ConfigError(f"{path}: '{key}' is given twice, at lines {seen[key]} and {line}")
+            seen[key] = lines[key] = line
+            _record_lines(value_node, key + ".", lines, path)
 
 
 def _apply_mapping(obj, data: dict, prefix: str, origin) -> None:
@@ -357,7 +367,7 @@ def _coerce(value, tp, key: str, origin: str):
     if origin_tp in (list, tuple) or tp in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{origin}: '{key}' must be a list, got {value!r}")
-        return list(value)
+        return [_coerce(v, args[0], key, origin) for v in value] if args else list(value)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -391,57 +401,10 @@ def _to_float(value, key: str, origin: str) -> float:
     raise ConfigError(f"{origin}: '{key}' must be a number (inf allowed), got {value!r}")
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Cross-field checks that a type alone cannot express."""
-    o, r, lo = cfg.optim, cfg.rollout, cfg.loss
-    checks = [
-        (o.batch_prompts > 0, "optim.batch_prompts must be positive"),
-        (o.mini_batch_prompts > 0 and o.batch_prompts % o.mini_batch_prompts == 0,
-         f"optim.batch_prompts={o.batch_prompts} must be a multiple of optim.mini_batch_prompts={o.mini_batch_prompts}"),
-        (o.micro_batch_tokens > 0, "optim.micro_batch_tokens must be positive"),
-        (o.lr > 0 and o.critic_lr > 0, "optim.lr and optim.critic_lr must be positive"),
-        (0.0 <= o.warmup_ratio < 1.0, "optim.warmup_ratio must lie in [0, 1)"),
-        (o.critic_warmup_ratio is None or 0.0 <= o.critic_warmup_ratio < 1.0,
-         "optim.critic_warmup_ratio must lie in [0, 1) (or null: optim.warmup_ratio)"),
-        (len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas must be two numbers in [0, 1)"),
-        (r.n_samples >= 1, "rollout.n_samples must be at least 1"),
-        (r.max_turns >= 1, "rollout.max_turns must be at least 1"),
-        (r.temperature > 0, "rollout.temperature must be positive"),
-        (0 < r.top_p <= 1, "rollout.top_p must lie in (0, 1]"),
-        (0 < r.proceed.fraction <= 1, "rollout.proceed.fraction must lie in (0, 1]"),
-        (0.0 <= lo.clip_low < 1.0 and lo.clip_high >= 0.0, "loss.clip_low must lie in [0, 1) and loss.clip_high be >= 0"),
-        (cfg.retrieval.topk >= 1, "retrieval.topk must be at least 1"),
-        (cfg.data.source == "toy" or cfg.data.train_path, f"data.train_path is required for data.source={cfg.data.source}"),
-        (cfg.distributed.engine == "fsdp2" or cfg.distributed.shard_size == -1,
-         f"distributed.shard_size={cfg.distributed.shard_size} applies to distributed.engine=fsdp2 only "
-         "(DeepSpeed ZeRO shards over all ranks); leave it at -1"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-    _validate_needs(cfg)
-
-
-# What each judge kind of an estimator's Needs asks of the config: (unmet?, what to set).
-_JUDGE_SETTINGS = {
-    "critic": (lambda c: c.judges.backend == "none", "a critic: set judges.backend to colocated, http or oracle"),
-    "round_judge": (lambda c: c.judges.backend == "none", "a judge: set judges.backend to colocated, http or oracle"),
-    "prm": (lambda c: not c.judges.prm, "a process reward model: set judges.prm"),
-}
-
-
-def _validate_needs(cfg: TrainConfig) -> None:
-    """What the chosen estimator declared it needs (``fastcredit.credit.estimator_needs``) is configured."""
-    from fastcredit.credit.registry import estimator_needs
-
-    est = cfg.credit.estimator
-    needs = estimator_needs(est)
-    if needs.judge is not None:
-        unmet, what = _JUDGE_SETTINGS[needs.judge]
-        if unmet(cfg):
-            raise ConfigError(f"credit.estimator={est} needs {what}")
-    if needs.proceed_rollout and not cfg.rollout.proceed.enabled:
-        raise ConfigError(f"credit.estimator={est} needs rollout.proceed.enabled=true")
+def validate(cfg: TrainConfig, origins: Optional[dict] = None) -> None:
+    """Every number in its range, the rules between keys, what the estimator needs (``fastcredit.config_checks``);
+    ``origins``: key → where it was set (file and line, or the command line), named in the error."""
+    check_config(cfg, origins or {})
 
 
 def to_dict(cfg) -> dict:

@@ -74,7 +74,8 @@ def available_steps(ckpt_dir: str) -> list[int]:
 
 
 def find_checkpoint(run_dir: str, step: Optional[int] = None) -> str:
-    """The folder of ``run_dir``'s checkpoint at ``step`` (default: the one ``checkpoints/latest`` names)."""
+    """The folder of ``run_dir``'s checkpoint at ``step`` (default: the one ``checkpoints/latest`` names), its files
+    checked against its manifest (``fastcredit.checkpoint.verify_checkpoint``)."""
     if not os.path.isdir(run_dir):
         raise ExportError(f"run folder {run_dir} does not exist")
     ckpt_dir = os.path.join(run_dir, "checkpoints")
@@ -82,20 +83,24 @@ def find_checkpoint(run_dir: str, step: Optional[int] = None) -> str:
     if not steps:
         raise ExportError(f"{ckpt_dir} holds no finished checkpoint (step_N folders): nothing to export")
     listing = ", ".join(map(str, steps))
-    if step is None:
-        from fastcredit.checkpoint import LATEST, latest_checkpoint
+    from fastcredit.checkpoint import LATEST, CheckpointError, latest_checkpoint, verify_checkpoint
 
+    if step is None:
         try:
             path = latest_checkpoint(ckpt_dir)
-        except FileNotFoundError as exc:
+        except (FileNotFoundError, CheckpointError) as exc:
             raise ExportError(f"{exc} (available steps: {listing})") from exc
         if path is None:
             raise ExportError(f"{os.path.join(ckpt_dir, LATEST)} is missing; pass --step (available: {listing})")
-        return path
-    path = os.path.join(ckpt_dir, f"step_{step:06d}")
-    if step not in steps:
-        raise ExportError(f"{ckpt_dir} has no checkpoint at step {step} ({os.path.basename(path)}); "
-                          f"available steps: {listing}")
+    else:
+        path = os.path.join(ckpt_dir, f"step_{step:06d}")
+        if step not in steps:
+            raise ExportError(f"{ckpt_dir} has no checkpoint at step {step} ({os.path.basename(path)}); "
+                              f"available steps: {listing}")
+    problems = verify_checkpoint(path)  # its manifest's sizes and sha256 (fastcredit.checkpoint)
+    if problems:
+        raise ExportError(f"{path} is damaged; pass --step with another (available: {listing}):\n  "
+                          + "\n  ".join(problems))
     return path
 
 

@@ -28,6 +28,7 @@ from typing import Optional
 
 from fastcredit.cli import format_usage, handle_help, take_flags
 from fastcredit.config import ConfigError, load_config, parse_cli
+from fastcredit.config_checks import check_paths
 from fastcredit.distributed.process_group import init_distributed, shutdown
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
@@ -73,6 +74,11 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     if report is not None:
         return memory_report(cfg, report)
+    try:  # a wrong local path named by its key now, not as a library's traceback after the process group starts
+        check_paths(cfg)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
     from fastcredit.trainer import CollapseError, Trainer
 
     info = init_distributed(cfg.distributed.backend, cfg.distributed.shard_size)

@@ -363,23 +363,24 @@ class Trainer:
                             {"data": self.sampler.state(), "opt_steps": self.opt_steps, "rollbacks": self.rollbacks},
                             keep=self.cfg.logging.keep_checkpoints, engines=engines)
 
-    def _resume(self, path: Optional[str] = None) -> bool:
-        from fastcredit.checkpoint import latest_checkpoint, load_checkpoint
+    def _resume(self) -> Optional[str]:
+        """Load the newest checkpoint that verifies (earlier ones when the latest is damaged); returns its path."""
+        from fastcredit.checkpoint import resume_checkpoint
 
-        path = path or latest_checkpoint(self.ckpt_dir)
-        if path is None:
-            self.say(f"--resume: no checkpoint in {self.ckpt_dir}; starting from step 0")
-            return False
         models, optims, engines = self._checkpointed()
         with self.phases.train():  # loaded where the training state lives while it trains
-            state = load_checkpoint(path, models, optims, engines=engines)
+            found = resume_checkpoint(self.ckpt_dir, models, optims, engines=engines, say=self.say)
+        if found is None:
+            self.say(f"--resume: no checkpoint in {self.ckpt_dir}; starting from step 0")
+            return None
+        path, state = found
         self.step, self.opt_steps = state["step"], state["opt_steps"]
         self.rollbacks = state.get("rollbacks", 0)
         self.sampler = PromptSampler(len(self.data.train), self.cfg.seed, **state["data"])
         self.phases.mark_updated()  # the engine still holds the pre-checkpoint weights
         self.logger.truncate_after(self.step)
         self.say(f"resumed from {path} (step {self.step})")
-        return True
+        return path
 
     def _guard(self, m: dict) -> Optional[str]:
         """The collapse guard: a reason when a bound is crossed, else None."""
@@ -445,16 +446,16 @@ class Trainer:
         return f"{scores['eval/em']:.3f}" + (f" ({', '.join(f'{s} {v:.3f}' for s, v in per)})" if per else "")
 
     def _handle_collapse(self, reason: str) -> None:
-        from fastcredit.checkpoint import latest_checkpoint
+        from fastcredit.checkpoint import checkpoint_candidates
 
         g = self.cfg.guard
-        path = latest_checkpoint(self.ckpt_dir) if os.path.isdir(self.ckpt_dir) else None
+        path = next(iter(checkpoint_candidates(self.ckpt_dir)[0]), None)  # the first tried; _resume says if not used
         if g.action == "stop" or path is None or self.rollbacks >= g.max_rollbacks:
             raise CollapseError(f"collapse guard at step {self.step}: {reason}; stopping "
                                 f"({'no checkpoint to roll back to' if path is None else g.action})")
         rollbacks = self.rollbacks + 1
         self.say(f"collapse guard at step {self.step}: {reason}; rolling back to {path} ({rollbacks}/{g.max_rollbacks})")
-        self._resume(path)
+        self._resume()
         self.rollbacks = rollbacks
         # Other prompts after the rollback, or the same collapse would repeat.
         self.sampler.reseed(self.sampler.seed + 7_777 * rollbacks)

@@ -271,6 +271,7 @@ def test_tied_weights_that_differ_in_the_checkpoint_are_refused(fsdp_run, tmp_pa
     run = tmp_path / "run"
     shutil.copytree(fsdp_run, run)
     folder = run / "checkpoints" / "step_000001" / "model"
+    os.remove(run / "checkpoints" / "step_000001" / "manifest.json")  # rewritten below: as a checkpoint without one
     lm = trainer_policy(fsdp_run, step=1)
     state = {f"lm.{k}": v.clone() for k, v in lm.state_dict().items()}
     shutil.rmtree(folder)

@@ -80,6 +80,27 @@ def test_resume_gives_the_same_next_step(uninterrupted):
     _same_step_2(uninterrupted, b)
 
 
+def test_a_run_resumes_past_a_damaged_checkpoint(uninterrupted):
+    """The uninterrupted run with 4 KiB of step 2's shard overwritten and a torn last line in metrics.jsonl:
+    --resume names the shard, falls back to step 1 and redoes step 2 with the uninterrupted run's numbers."""
+    import shutil
+
+    from test_checkpoint_resume import _overwrite_4k
+
+    b = os.path.join(os.path.dirname(uninterrupted), "damaged")  # beside it: the same toy world
+    shutil.copytree(uninterrupted, b)
+    shard = os.path.join(b, "checkpoints", "step_000002", "model", "__0_0.distcp")
+    _overwrite_4k(shard)
+    with open(os.path.join(b, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 3, "rew')  # a run killed mid-line
+    proc = train(b, *RESUME, resume=True)
+    first = os.path.join(b, "checkpoints", "step_000001")
+    assert f"{shard}: contents differ from manifest.json" in proc.stdout, proc.stdout[-3000:]
+    assert f"falling back to {first}, the newest checkpoint that verifies\nresumed from {first} (step 1)" in proc.stdout
+    assert [r["step"] for r in metrics(b) if "reward" in r] == [1, 2]
+    _same_step_2(uninterrupted, b)
+
+
 @pytest.mark.parametrize("kill_at", ["update:2", "latest:2"])
 def test_a_run_killed_mid_step_resumes_to_the_same_next_step(uninterrupted, kill_at):
     """SIGKILL inside step 2 (in its update; in its checkpoint, before ``latest`` moves): --resume redoes step 2
@@ -96,13 +117,13 @@ def test_a_run_killed_mid_step_resumes_to_the_same_next_step(uninterrupted, kill
 
 
 def test_collapse_guard_stops(tmp_path):
-    proc = train(str(tmp_path / "g"), "guard.max_kl=-1", "guard.action=stop", check=False)
+    proc = train(str(tmp_path / "g"), "guard.min_reward=2", "guard.action=stop", check=False)  # rewards stay <= 1
     assert proc.returncode == 3 and "collapse guard" in proc.stdout
 
 
 def test_collapse_guard_rolls_back_then_stops(tmp_path):
     out = str(tmp_path / "rb")
-    proc = train(out, "guard.max_kl=-1", "guard.after_step=2", "guard.action=rollback", "guard.max_rollbacks=1",
+    proc = train(out, "guard.min_reward=2", "guard.after_step=2", "guard.action=rollback", "guard.max_rollbacks=1",
                  check=False)
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rolling back to" in proc.stdout and "step_000001 (1/1)" in proc.stdout

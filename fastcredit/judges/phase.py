@@ -35,6 +35,7 @@ def make_backend(cfg: TrainConfig, policy_engine, device: torch.device, policy_c
     j = cfg.judges
     if j.backend == "none":
         return None
+    s = dict(constrained=j.constrained, retry_temperature=j.retry_temperature)
     if j.backend == "oracle":
         if cfg.data.source != "toy":
             raise ValueError("judges.backend=oracle answers from the toy world's gold facts: it needs data.source=toy")
@@ -42,9 +43,9 @@ def make_backend(cfg: TrainConfig, policy_engine, device: torch.device, policy_c
 
         return OracleBackend()
     if j.backend == "http":
-        return HTTPBackend(j.url, j.model or "judge", j.temperature, j.max_tokens, j.concurrency, j.timeout_s)
+        return HTTPBackend(j.url, j.model or "judge", j.temperature, j.max_tokens, j.concurrency, j.timeout_s, **s)
     if not j.model:  # colocated self-critic: the policy's own engine
-        return EngineBackend(policy_engine, j.temperature, j.max_tokens)
+        return EngineBackend(policy_engine, j.temperature, j.max_tokens, **s)
     from fastcredit.judges.switch import CriticWeights, architecture_mismatch, read_config
 
     mismatch = architecture_mismatch(policy_config, read_config(j.model)) if policy_config is not None \
@@ -52,7 +53,7 @@ def make_backend(cfg: TrainConfig, policy_engine, device: torch.device, policy_c
     during_rollout = cfg.rollout.proceed.enabled  # ProCeed asks its critic between the policy's own turns
     if mismatch is None and not during_rollout:
         weights = CriticWeights.load(j.model, policy_engine.weight_dtype, pin=device.type == "cuda")
-        return EngineBackend(policy_engine, j.temperature, j.max_tokens, tokenizer=weights.tokenizer, weights=weights)
+        return EngineBackend(policy_engine, j.temperature, j.max_tokens, tokenizer=weights.tokenizer, weights=weights, **s)
     why = "ProCeed's critic answers during the rollout" if during_rollout else \
         f"its architecture differs from the policy's ({mismatch})"
     if cfg.rollout.engine == "vllm":
@@ -67,7 +68,7 @@ def make_backend(cfg: TrainConfig, policy_engine, device: torch.device, policy_c
     tok = AutoTokenizer.from_pretrained(j.model, local_files_only=True)
     lm = AutoModelForCausalLM.from_pretrained(j.model, local_files_only=True, torch_dtype=policy_engine.weight_dtype)
     return EngineBackend(make_engine("hf", lm.eval(), tok, cfg.rollout, device), j.temperature, j.max_tokens,
-                         tokenizer=tok)
+                         tokenizer=tok, **s)
 
 
 class JudgePhase:
@@ -137,7 +138,9 @@ def build_proceed_hook(cfg: TrainConfig, backend, policy_engine, tokenizer):
     from fastcredit.judges.types import item_from_episode
     from fastcredit.rollout.proceed import ProceedHook
 
-    critic_backend = backend or EngineBackend(policy_engine, cfg.judges.temperature, cfg.judges.max_tokens)
+    j = cfg.judges
+    critic_backend = backend or EngineBackend(policy_engine, j.temperature, j.max_tokens, constrained=j.constrained,
+                                              retry_temperature=j.retry_temperature)
     p = cfg.rollout.proceed
     self_refine = p.refiner == "self"
     refiner = policy_engine if self_refine else getattr(critic_backend, "engine", None)

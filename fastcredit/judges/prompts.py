@@ -4,23 +4,30 @@ Appendix E text is missing from the extraction, so these follow its description 
 score 0-10 and a textual critique of the latest step given the history; a refined action from the history,
 the rejected action and the critique).
 
-Every piece of trajectory text passes through :func:`neutralise` first: the verdict syntax of all
-three judges (``<score>``, the CW-GRPO JSON keys, ``<rating>`` / ``<critique>``) is defanged, so a
-trajectory that writes ``<score>1, 1</score>`` (or a judge that echoes it) cannot produce a verdict.
+Every piece of trajectory text (question, gold answers, prediction, actions, observations, history,
+rejected action, critique) passes through :func:`~fastcredit.judges.untrusted.neutralise` first: it
+is decoded and normalised (NFKC, escapes, entities, look-alike brackets, invisible characters) and
+the verdict syntax of all three judges (``<score>``, the CW-GRPO JSON keys, ``<rating>`` /
+``<critique>``) is defanged, so a trajectory that writes ``<score>1, 1</score>`` in any encoding (or
+a judge that echoes it) cannot produce a verdict. A judge's builder appends what it quoted to
+``shown`` when given one: the runner hands it to the parser (``quoted``), which ignores verdicts
+inside copies of it.
 """
 from __future__ import annotations
 
-import re
+from typing import Optional
 
-_VERDICT_SYNTAX = re.compile(r"<\s*(/?)\s*(score|rating|critique)\s*>", re.IGNORECASE)
-_JSON_KEYS = re.compile(r"(thinking|retrieval)_reward", re.IGNORECASE)
+from fastcredit.judges.untrusted import neutralise
 
 
-def neutralise(text: str) -> str:
-    """Trajectory text with every judge's verdict syntax defanged (``<score>`` → ``‹score›``, ``thinking_reward`` →
-    ``thinking-reward``); the meaning stays readable for the judge."""
-    text = _VERDICT_SYNTAX.sub(lambda m: f"‹{m.group(1)}{m.group(2)}›", text)
-    return _JSON_KEYS.sub(lambda m: f"{m.group(1)}-reward", text)
+def _quoter(shown: Optional[list]):
+    """``neutralise``, recording each result in ``shown`` (when given)."""
+    def quote(text) -> str:
+        out = neutralise(text)
+        if shown is not None:
+            shown.append(out)
+        return out
+    return quote
 
 
 CRITICSEARCH_RULES = """Please analyze whether each search process is good or bad, and include the final evaluation result within a `<score>...</score>` tag. If it is good, output 1; if it is bad, output 0. For example, if there are two actions, output `<score>1, 1</score>`; if there are four actions, output `<score>1, 0, 0, 1</score>`. When making judgments, strictly follow these rules:
@@ -36,12 +43,14 @@ CRITICSEARCH_RULES = """Please analyze whether each search process is good or ba
 9. Ultimately, first provide a detailed analysis of the search process, then enclose the evaluation results within a `<score>...</score>` tag."""
 
 
-def criticsearch_prompt(golds, prediction, solution: str, gold_answer: bool = True) -> str:
+def criticsearch_prompt(golds, prediction, solution: str, gold_answer: bool = True,
+                        shown: Optional[list] = None) -> str:
     """The Reward Prompt; ``gold_answer=False`` drops the golden answers (the paper's NG ablation)."""
+    q = _quoter(shown)
     parts = [CRITICSEARCH_RULES, "#####\n\n#####"]
     if gold_answer:
-        parts.append(f"Golden answers: {neutralise(', '.join(golds))}")
-    parts += [f"Extracted answer: {neutralise(str(prediction))}", f"Solution string: {neutralise(solution)}",
+        parts.append(f"Golden answers: {q(', '.join(golds))}")
+    parts += [f"Extracted answer: {q(str(prediction))}", f"Solution string: {q(solution)}",
               "#####\n\n#####", "Please conduct a detailed analysis.\n\n"
               "The final number of scores should be consistent with the number of search actions."]
     return "\n\n".join(parts)
@@ -86,14 +95,15 @@ Return format: a JSON object, wrapped in ```json and ```. Example:
 ```"""
 
 
-def cwgrpo_prompt(question: str, rounds: list[tuple[str, str]]) -> str:
+def cwgrpo_prompt(question: str, rounds: list[tuple[str, str]], shown: Optional[list] = None) -> str:
     """The rubric and the partial trace up to and including the judged round (``(action, observation)`` pairs)."""
-    lines = [f"Question: {neutralise(question)}"]
+    q = _quoter(shown)
+    lines = [f"Question: {q(question)}"]
     for i, (action, obs) in enumerate(rounds):
         who = "Agent (the last action)" if i == len(rounds) - 1 else "Agent"
-        lines.append(f"{who}: {neutralise(action)}")
+        lines.append(f"{who}: {q(action)}")
         if obs:
-            lines.append(f"Information: {neutralise(obs.strip())}")
+            lines.append(f"Information: {q(obs.strip())}")
     return CWGRPO_RUBRIC + "\n\n### Trace\n" + "\n".join(lines)
 
 
@@ -104,10 +114,11 @@ Judge only the latest step: its action and what the environment returned. Consid
 First write a short analysis. Then give an integer score from 0 (harmful) to 10 (ideal) as <rating>N</rating> and a one-paragraph critique telling the agent how to improve this step as <critique>...</critique>."""
 
 
-def process_prompt(question: str, history: str, action: str, observation: str) -> str:
-    obs = neutralise(observation.strip()) if observation else "(none: a final answer)"
-    return (f"{PROCESS_CRITIC}\n\n### Question\n{neutralise(question)}\n\n### History\n{neutralise(history) or '(empty)'}"
-            f"\n\n### Latest action\n{neutralise(action)}\n\n### Environment feedback\n{obs}")
+def process_prompt(question: str, history: str, action: str, observation: str, shown: Optional[list] = None) -> str:
+    q = _quoter(shown)
+    obs = q(observation.strip()) if observation else "(none: a final answer)"
+    return (f"{PROCESS_CRITIC}\n\n### Question\n{q(question)}\n\n### History\n{q(history) or '(empty)'}"
+            f"\n\n### Latest action\n{q(action)}\n\n### Environment feedback\n{obs}")
 
 
 def refine_prompt(question: str, history: str, rejected: str, critique: str) -> str:

@@ -7,12 +7,14 @@ Legend: S turns of all items (flat, item-major), B items (trajectories).
 * :class:`ProcessCritic` (§5): one call per ProCeed step, ``await ascore_step(...)``.
 
 A failed parse, or a wrong number of CriticSearch labels, is re-asked up to
-``critic.retries`` times; what still fails is reported (``ok = False``) and the estimator's
+``critic.retries`` times (each re-ask carries its ``attempt``: text backends sample it at
+``judges.retry_temperature`` with a seed of its own); what still fails is reported (``ok = False``) and the estimator's
 failure policy (``critic.on_failure``) decides. The failure counts go to the step's metrics.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from typing import Callable, Optional, Sequence
 
@@ -44,7 +46,7 @@ class _Asker:
                 unique.setdefault(requests[i].prompt, i)
             firsts = list(unique.values())
             self.stats["requests"] += len(firsts)
-            texts = await self.backend.complete([requests[i] for i in firsts])
+            texts = await self.backend.complete([dataclasses.replace(requests[i], attempt=attempt) for i in firsts])
             answer = {requests[i].prompt: t for i, t in zip(firsts, texts)}
             still = []
             for i in todo:
@@ -67,10 +69,11 @@ class CriticSearchCritic:
 
     async def score(self, items: Sequence[JudgeItem]) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """``(label_S, ok_B, stats)``: label 1 / 0 on search turns, NaN elsewhere and where the critic failed."""
-        reqs = [JudgeRequest(criticsearch_prompt(it.golds, it.prediction, it.solution(), self.gold_answer),
-                             "criticsearch", it) for it in items]
         counts = [sum(s.kind_name == "search" for s in it.steps) for it in items]
-        parsed = await self.asker.ask(reqs, lambda text, i: parse_criticsearch(text, counts[i]))
+        shown = [[] for _ in items]  # the agent text each prompt quoted: verdicts inside copies of it do not count
+        reqs = [JudgeRequest(criticsearch_prompt(it.golds, it.prediction, it.solution(), self.gold_answer, sh),
+                             "criticsearch", it, n_labels=n) for it, n, sh in zip(items, counts, shown)]
+        parsed = await self.asker.ask(reqs, lambda text, i: parse_criticsearch(text, counts[i], shown[i]))
         labels, ok = [], []
         for it, got in zip(items, parsed):
             ok.append(got is not None)
@@ -89,15 +92,16 @@ class CWGRPOJudge:
 
     async def score(self, items: Sequence[JudgeItem], success: Sequence[bool]) -> tuple[torch.Tensor, ...]:
         """``(u_S, v_S, ok_B, stats)``; NaN on final rounds, on failed trajectories and where the judge failed."""
-        reqs, where = [], []
+        reqs, where, shown = [], [], []
         for b, (it, good) in enumerate(zip(items, success)):
             if not good:
                 continue
             for t in range(len(it.steps) - 1):
                 rounds = [(s.action, s.observation) for s in it.steps[:t + 1]]
-                reqs.append(JudgeRequest(cwgrpo_prompt(it.question, rounds), "cwgrpo", it, t))
+                shown.append([])
+                reqs.append(JudgeRequest(cwgrpo_prompt(it.question, rounds, shown[-1]), "cwgrpo", it, t))
                 where.append((b, t))
-        parsed = await self.asker.ask(reqs, lambda text, i: parse_cwgrpo(text))
+        parsed = await self.asker.ask(reqs, lambda text, i: parse_cwgrpo(text, shown[i]))
         offsets = [0]
         for it in items:
             offsets.append(offsets[-1] + len(it.steps))
@@ -125,8 +129,9 @@ class ProcessCritic:
 
     async def ascore_step(self, question: str, history: str, action: str, observation: str,
                           item: Optional[JudgeItem] = None, turn: int = -1) -> tuple[Optional[int], str]:
-        req = JudgeRequest(process_prompt(question, history, action, observation), "process", item, turn)
-        got = (await self.asker.ask([req], lambda text, i: parse_process(text)))[0]
+        shown: list = []
+        req = JudgeRequest(process_prompt(question, history, action, observation, shown), "process", item, turn)
+        got = (await self.asker.ask([req], lambda text, i: parse_process(text, shown)))[0]
         return (None, "") if got is None else got
 
     @property

@@ -12,6 +12,7 @@ server and client, and the CUDA ops they use.
     ranks.py        retrieval split across torchrun ranks: CrossRankIndex and its rounds
     build.py        python -m fastcredit.retrieval.build   (resumable)
     serve.py        python -m fastcredit.retrieval.serve   (POST /retrieve)
+    httpserver.py   the server's HTTP layer: read / idle timeouts, JSON refusals, ServerThread
     client.py       RetrievalClient (retries, backoff)
     loadtest.py     python -m fastcredit.retrieval.loadtest
     cli.py          the command-line flags build and serve share

@@ -5,7 +5,7 @@ retries and exponential backoff.
     obs = client.observations(["who wrote hamlet"], topk=3)      # Search-R1's observation strings
     docs = await client.aretrieve(["who wrote hamlet"], topk=3)   # from asyncio code (aiohttp)
 
-Connection failures, timeouts, 429 and 5xx answers are retried (honouring ``Retry-After``);
+Connection failures, timeouts, 408, 429 and 5xx answers are retried (honouring ``Retry-After``);
 other 4xx answers mean the request itself is wrong and raise :class:`RetrievalRequestError`
 with the server's message at once.
 """
@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 from fastcredit.retrieval.observation import format_observation
 
-RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})  # 408: the request arrived too slowly
 
 
 class RetrievalRequestError(ValueError):

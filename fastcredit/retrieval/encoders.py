@@ -59,6 +59,24 @@ def pool(last_hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) 
     return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
 
 
+def length_buckets(lengths: Sequence[int], batch_size: int, min_length: int = 16) -> list[list[int]]:
+    """Indices of ``lengths`` (tokens per text), longest first, cut into batches of at most
+    ``batch_size`` whose longest text is at most twice their shortest (lengths under
+    ``min_length`` count as ``min_length``): padding at most doubles a batch's cost, and a
+    batch of short texts never pads to a long one. At most ``log2(max / min_length) + 1``
+    batches beyond ``len / batch_size``."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    buckets: list[list[int]] = []
+    top = 0
+    for i in order:
+        n = max(lengths[i], min_length)
+        if not buckets or len(buckets[-1]) == batch_size or top > 2 * n:
+            buckets.append([])
+            top = n
+        buckets[-1].append(i)
+    return buckets
+
+
 class Encoder:
     """Encodes texts to unit vectors: ``encode(texts, is_query) -> [n, D] float32`` on ``device``."""
 
@@ -74,6 +92,8 @@ class Encoder:
         self.pooling, self.normalize = pooling, normalize
         self.query_prefix, self.passage_prefix = query_prefix, passage_prefix
         self.max_length, self.batch_size = max_length, batch_size
+        # Queries are truncated here when set (Search-R1's retrieval_query_max_length), else at max_length.
+        self.query_max_length: Optional[int] = None
         self.name = name or str(getattr(model, "name_or_path", "") or type(model).__name__)
         self.dim = int(model.config.hidden_size)
 
@@ -100,28 +120,29 @@ class Encoder:
                 "normalize": self.normalize, "dim": self.dim}
 
     @torch.inference_mode()
-    def _encode_batch(self, texts: list[str]) -> torch.Tensor:
-        enc = self.tokenizer(texts, max_length=self.max_length, padding=True, truncation=True, return_tensors="pt")
-        enc = {k: v.to(self.device, non_blocking=True) for k, v in enc.items()}
-        out = self.model(**enc, return_dict=True)
-        emb = pool(out.last_hidden_state, enc["attention_mask"], self.pooling)
+    def _forward(self, batch: dict) -> torch.Tensor:
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        out = self.model(**batch, return_dict=True)
+        emb = pool(out.last_hidden_state, batch["attention_mask"], self.pooling)
         return torch.nn.functional.normalize(emb, dim=-1) if self.normalize else emb
 
     def encode(self, texts: Sequence[str], is_query: bool = True) -> torch.Tensor:
         """[n] texts → [n, D] float32 on ``self.device`` (rows in input order).
 
-        Texts are sorted by length so each batch pads to similar lengths; the result is
-        scattered back into input order.
+        Texts are tokenized once (truncated at ``max_length``, or ``query_max_length`` for
+        queries), then encoded in :func:`length_buckets` so one long text never pads a batch
+        of short ones; the result is scattered back into input order.
         """
         prefix = self.query_prefix if is_query else self.passage_prefix
         texts = [prefix + t for t in texts]
         out = torch.empty(len(texts), self.dim, dtype=torch.float32, device=self.device)
         if not texts:
             return out
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]), reverse=True)
-        for s in range(0, len(texts), self.batch_size):
-            idx = order[s:s + self.batch_size]
-            out[torch.tensor(idx, device=self.device)] = self._encode_batch([texts[i] for i in idx])
+        max_length = (self.query_max_length if is_query else None) or self.max_length
+        enc = self.tokenizer(texts, max_length=max_length, truncation=True)
+        for idx in length_buckets([len(ids) for ids in enc["input_ids"]], self.batch_size):
+            batch = self.tokenizer.pad({k: [v[i] for i in idx] for k, v in enc.items()}, return_tensors="pt")
+            out[torch.tensor(idx, device=self.device)] = self._forward(batch)
         return out
 
     def encode_queries(self, queries: Sequence[str]) -> torch.Tensor:

@@ -122,6 +122,11 @@ def _check_encoder(info: Optional[dict], encoder: Encoder, where: str) -> None:
             log.warning("%s: passages were encoded with %s=%r, queries use %r", where, key, built[key], encoder.fingerprint()[key])
 
 
+def default_index_dir(corpus: str) -> str:
+    """Where the index of ``corpus`` is built when none is named: ``<corpus without .jsonl>.fastcredit/``."""
+    return os.path.splitext(os.path.abspath(corpus))[0] + ".fastcredit"
+
+
 def open_retriever(corpus: Optional[str] = None, index: Optional[str] = None, encoder: str = "minilm",
                    pooling: str = "mean", query_prefix: str = "", passage_prefix: str = "", index_type: str = "flat",
                    device: str = "auto", dtype: str = "auto", max_length: int = 256, batch_size: int = 256,
@@ -152,7 +157,7 @@ def open_retriever(corpus: Optional[str] = None, index: Optional[str] = None, en
             raise ValueError(f"index {index!r} does not exist and no corpus jsonl was given to build it from")
         from fastcredit.retrieval.build import build_all
 
-        out = os.path.splitext(os.path.abspath(corpus))[0] + ".fastcredit" if index is None else os.path.dirname(os.path.abspath(index))
+        out = default_index_dir(corpus) if index is None else os.path.dirname(os.path.abspath(index))
         if rank == 0:
             build_all(corpus, out, index_type=index_type, progress=progress, encoder_obj=enc,
                       index_name=None if index is None else os.path.basename(index))
@@ -197,7 +202,16 @@ def from_config(rcfg, tokenizer=None, corpus: Optional[str] = None, progress: bo
     so the index's first shard and the encoder live there; see ``components.make_searcher``).
     ``rank`` / ``world_size`` / ``group``: the torchrun ranks; with ``rcfg.across_ranks=shard``
     and more than one, every rank calls this together and holds only its rows of the index.
+    ``rcfg.build_index`` decides what is built (``fastcredit.config_checks.check_index``): by default
+    only the index beside the corpus when ``rcfg.index`` is unset; a set one must exist.
     """
+    from fastcredit.config_checks import check_index
+
+    check_index(rcfg)  # before the encoder loads
+    if rcfg.index is None and rank == 0 and (rcfg.corpus or corpus):
+        where = default_index_dir(rcfg.corpus or corpus)
+        if not os.path.exists(os.path.join(where, "build.json")):
+            log.warning("retrieval.index is unset: building the index of %s into %s", rcfg.corpus or corpus, where)
     extra = {name: getattr(rcfg, name) for name in ("dtype", "max_length", "num_shards", "nprobe", "ef_search", "store_dir",
                                                     "round_cadence_ms") if getattr(rcfg, name, None) is not None}
     split = rcfg.across_ranks == "shard" and world_size > 1

@@ -10,20 +10,28 @@ answer ``{"result": [[doc, …] per query]}`` with ``doc = {"id", "contents"}``,
 input Search-R1's client sends is answered as its own server answers it: an empty query list
 gets ``{"result": []}`` (the client posts one on a turn where no trajectory searches), an
 empty or blank query string is searched like any other, and a missing, null or 0 ``topk``
-means the server's default.
-Queries from concurrent requests are batched into one encoder + index call. Bad input gets
-a 4xx answer with ``{"error": message}``; a full queue 503, a request past its timeout 504.
-Binds 127.0.0.1 unless ``--host`` says otherwise. ``GET /health`` reports the queue.
+means the server's default. Queries longer than ``--max-query-tokens`` encoder tokens
+(default: the encoder's max length, 256 — Search-R1's ``retrieval_query_max_length``) are
+truncated, as Search-R1's retriever truncates them; a query over ``--max-query-chars``
+characters is refused (413) before it is tokenized.
+Queries from concurrent requests are batched into one encoder + index call, encoded in
+length buckets (one long query never pads a batch of short ones). A batch that raises is
+retried in halves, never splitting a request, so only the requests that make it fail get a
+500; the rest of the batch is answered. Bad input of any kind (not UTF-8, lone surrogates,
+nesting or integers past the parser's limits, wrong types, oversize bodies, out-of-range
+``topk``) gets a 4xx for that request alone, with ``{"error": message}``; a full queue 503,
+a request past its timeout 504, a body or request head that arrives too slowly 408.
+Binds 127.0.0.1 unless ``--host`` says otherwise. ``GET /health`` reports the queue and limits.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import sys
-import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -32,8 +40,14 @@ from aiohttp import web
 from fastcredit.batching import MicroBatcher, QueueFull
 from fastcredit.cli import argparser
 from fastcredit.retrieval.cli import add_encoder_args
+from fastcredit.retrieval.httpserver import TIMEOUTS, ServerThread, Timeouts, serve_forever
+
+__all__ = ["ServerLimits", "RequestError", "parse_request", "retriever_batch_fn", "isolate_failures", "ItemFailed",
+           "make_app", "ServerThread", "main"]
 
 log = logging.getLogger(__name__)
+
+MAX_INT_DIGITS = 18  # any JSON integer longer is refused before Python converts it
 
 
 @dataclass
@@ -41,12 +55,25 @@ class ServerLimits:
     default_topk: int = 3          # used when a request has no (or a null) topk, as in Search-R1
     max_topk: int = 100
     max_queries: int = 1024        # per request
-    max_query_chars: int = 4096
+    max_query_chars: int = 4096    # per query, refused past it (tokens past the encoder's limit are truncated)
     max_body_bytes: int = 4 << 20
     max_queue: int = 8192          # waiting queries across requests
-    timeout_s: float = 30.0        # per request, queueing included
+    timeout_s: float = 30.0        # per request, from a whole body to its answer (past it: 504)
     batch_size: int = 256
     batch_timeout_ms: float = 2.0
+    header_timeout_s: float = 10.0  # a request head, from its first byte (past it: 408, connection closed)
+    body_timeout_s: float = 30.0    # a request body, from the end of its head (past it: 408, connection closed)
+    idle_timeout_s: float = 60.0    # an open connection with no request in flight (past it: closed)
+    # After refusing a request whose body was not read (413, 415, 408), the rest is read and
+    # dropped for at most this long before the connection closes, so the client sees the
+    # answer rather than a reset (aiohttp's lingering_time; its default is 10 s).
+    linger_s: float = 2.0
+
+    def __post_init__(self):
+        bad = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+               if not isinstance(getattr(self, f.name), (int, float)) or not getattr(self, f.name) > 0]
+        if bad:
+            raise ValueError(f"server limits must be positive numbers: {', '.join(bad)}")
 
 
 BATCHER = web.AppKey("batcher", MicroBatcher)
@@ -62,14 +89,49 @@ def _type(v) -> str:
     return "null" if v is None else type(v).__name__
 
 
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise RequestError(400, f"a JSON integer has {len(text.lstrip('-'))} digits; at most {MAX_INT_DIGITS}")
+    return int(text)
+
+
+def _parse_constant(name: str):
+    raise RequestError(400, f"{name} is not valid JSON")
+
+
+def _load_json(body: bytes):
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(400, f"the body is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None
+    try:
+        return json.loads(text, parse_int=_parse_int, parse_constant=_parse_constant)
+    except RecursionError:
+        raise RequestError(400, "invalid JSON: nested too deeply") from None
+    except RequestError:
+        raise
+    except ValueError as exc:
+        raise RequestError(400, f"invalid JSON: {exc}") from None
+
+
+def _check_query(i: int, q, limits: ServerLimits) -> None:
+    if not isinstance(q, str):
+        raise RequestError(400, f"'queries[{i}]' must be a string, got {_type(q)}")
+    if len(q) > limits.max_query_chars:
+        raise RequestError(413, f"'queries[{i}]' has {len(q)} characters; at most {limits.max_query_chars}")
+    if not q.isascii():
+        try:
+            q.encode("utf-8")
+        except UnicodeEncodeError as exc:  # json.loads accepts "\ud800"; no tokenizer does
+            raise RequestError(400, f"'queries[{i}]' is not valid Unicode: a lone surrogate "
+                                    f"U+{ord(q[exc.start]):04X} at character {exc.start}") from None
+
+
 def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], int, bool]:
     """Validate a ``/retrieve`` body → ``(queries, topk, return_scores)``; RequestError otherwise."""
     if not body.strip():
         raise RequestError(400, "empty request body; expected JSON {\"queries\": [...], \"topk\": k}")
-    try:
-        req = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(400, f"invalid JSON: {exc}") from None
+    req = _load_json(body)
     if not isinstance(req, dict):
         raise RequestError(400, f"the body must be a JSON object, got {_type(req)}")
     if "queries" not in req:
@@ -80,10 +142,7 @@ def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], int, bo
     if len(queries) > limits.max_queries:
         raise RequestError(413, f"'queries' has {len(queries)} entries; at most {limits.max_queries} per request")
     for i, q in enumerate(queries):
-        if not isinstance(q, str):
-            raise RequestError(400, f"'queries[{i}]' must be a string, got {_type(q)}")
-        if len(q) > limits.max_query_chars:
-            raise RequestError(413, f"'queries[{i}]' has {len(q)} characters; at most {limits.max_query_chars}")
+        _check_query(i, q, limits)
     topk = req.get("topk")
     if isinstance(topk, bool) or not isinstance(topk, (int, type(None))):
         raise RequestError(400, f"'topk' must be an integer, got {_type(topk)}")
@@ -106,37 +165,113 @@ def retriever_batch_fn(retriever) -> Callable[[list], list]:
     return run
 
 
-def _error(status: int, message: str, headers: Optional[dict] = None) -> web.Response:
-    return web.json_response({"error": message}, status=status, headers=headers)
+class ItemFailed:
+    """The result of an item whose request could not be retrieved: ``exc`` says why."""
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def isolate_failures(batch_fn: Callable[[list], list]) -> Callable[[list], list]:
+    """Items ``(request id, query, topk)`` → ``batch_fn``'s result per item, or :class:`ItemFailed`.
+
+    When ``batch_fn`` raises on the merged batch, the batch is retried in halves (a request's
+    items stay together) until each failure is pinned on the requests that cause it: one bad
+    request among n costs about ``2 log2 n`` extra calls, and every other request gets its results.
+    """
+    def solve(groups: list, out: list) -> None:
+        flat = [(q, t) for g in groups for _, q, t in g]
+        try:
+            results = batch_fn(flat)
+            if len(results) != len(flat):
+                raise RuntimeError(f"batch function returned {len(results)} results for {len(flat)} items")
+        except Exception as exc:  # a failed batch: find who fails, answer everyone else
+            if len(groups) == 1:
+                log.error("retrieval failed for one request (%d queries): %s: %s", len(flat), type(exc).__name__, exc,
+                          exc_info=exc)
+                out.extend([ItemFailed(exc)] * len(flat))
+                return
+            log.warning("a batch of %d requests failed (%s: %s); retrying in halves", len(groups),
+                        type(exc).__name__, exc)
+            solve(groups[:len(groups) // 2], out)
+            solve(groups[len(groups) // 2:], out)
+            return
+        out.extend(results)
+
+    def run(items: list) -> list:
+        out: list = []
+        solve([list(g) for _, g in itertools.groupby(items, key=lambda it: it[0])], out)
+        return out
+    return run
+
+
+def _error(status: int, message: str, headers: Optional[dict] = None, close: bool = False) -> web.Response:
+    resp = web.json_response({"error": message}, status=status, headers=headers)
+    if close:
+        resp.force_close()
+    return resp
+
+
+async def _read_body(request: web.Request, limits: ServerLimits) -> bytes:
+    """The request body, or RequestError (408 slow, 413 too large, 415 compressed, 400 unreadable)."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise RequestError(415, f"Content-Encoding {encoding!r} is not supported; send the JSON body uncompressed")
+    if request.content_length is not None and request.content_length > limits.max_body_bytes:
+        raise RequestError(413, f"request body over {limits.max_body_bytes} bytes")
+    try:
+        return await asyncio.wait_for(request.read(), limits.body_timeout_s)
+    except web.HTTPRequestEntityTooLarge:
+        raise RequestError(413, f"request body over {limits.max_body_bytes} bytes") from None
+    except asyncio.TimeoutError:
+        raise RequestError(408, f"request body did not arrive within {limits.body_timeout_s} s") from None
+    except Exception as exc:  # a broken chunked encoding, a reset connection: the client's side
+        raise RequestError(400, f"could not read the request body: {type(exc).__name__}: {exc}") from None
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler):
+    """aiohttp's own refusals (404 unknown path, 405 wrong method) with a JSON ``{"error"}`` body."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        return _error(exc.status, f"{exc.reason}: {request.method} {request.path}", headers)
 
 
 def make_app(batch_fn: Callable[[list], list], limits: Optional[ServerLimits] = None,
              info: Optional[dict] = None) -> web.Application:
     """The aiohttp application; ``batch_fn`` as in :func:`retriever_batch_fn`."""
     limits = limits or ServerLimits()
-    batcher = MicroBatcher(batch_fn, limits.batch_size, limits.batch_timeout_ms, limits.max_queue)
-    app = web.Application(client_max_size=limits.max_body_bytes)
+    batcher = MicroBatcher(isolate_failures(batch_fn), limits.batch_size, limits.batch_timeout_ms, limits.max_queue)
+    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[_json_errors],
+                          handler_args={"auto_decompress": False, "lingering_time": limits.linger_s})
+    request_ids = itertools.count()
 
     async def retrieve(request: web.Request) -> web.Response:
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"request body over {limits.max_body_bytes} bytes")
-        try:
+            body = await _read_body(request, limits)
             queries, topk, return_scores = parse_request(body, limits)
-        except RequestError as exc:
-            return _error(exc.status, exc.message)
+        except RequestError as exc:  # an unread or slow body leaves the connection unusable: close it
+            return _error(exc.status, exc.message, close=not request.content.is_eof())
         if not queries:
             return web.json_response({"result": []})
+        rid = next(request_ids)
         try:
-            results = await asyncio.wait_for(batcher.submit([(q, topk) for q in queries]), limits.timeout_s)
+            results = await asyncio.wait_for(batcher.submit([(rid, q, topk) for q in queries]), limits.timeout_s)
         except QueueFull as exc:
             return _error(503, str(exc), {"Retry-After": "1"})
         except asyncio.TimeoutError:
             return _error(504, f"retrieval did not finish within {limits.timeout_s} s")
-        except Exception as exc:  # a failed batch must answer its requests, never kill the server
+        except Exception as exc:  # the batcher itself failed: answer, never kill the server
             log.exception("retrieval batch failed")
             return _error(500, f"retrieval failed: {type(exc).__name__}: {exc}")
+        failed = next((r for r in results if isinstance(r, ItemFailed)), None)
+        if failed is not None:
+            return _error(500, f"retrieval failed: {type(failed.exc).__name__}: {failed.exc}")
         if return_scores:
             payload = [[{"document": d, "score": s} for d, s in r] for r in results]
         else:
@@ -158,60 +293,8 @@ def make_app(batch_fn: Callable[[list], list], limits: Optional[ServerLimits] = 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     app[BATCHER] = batcher
+    app[TIMEOUTS] = Timeouts(header_s=limits.header_timeout_s, idle_s=limits.idle_timeout_s)
     return app
-
-
-class ServerThread:
-    """Run an app on its own event loop in a daemon thread (tests, benchmarks, embedding in a trainer).
-
-    ``with ServerThread(app) as url: ...`` — port 0 picks a free port; ``url`` ends in ``/retrieve``.
-    """
-
-    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
-        self.app, self.host, self.port = app, host, port
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="retrieval-server")
-        self._runner: Optional[web.AppRunner] = None
-        self._error: Optional[BaseException] = None
-
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._runner = web.AppRunner(self.app, access_log=None)
-            self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, self.host, self.port)
-            self._loop.run_until_complete(site.start())
-            self.port = self._runner.addresses[0][1]
-        except BaseException as exc:  # report start-up failures to the starting thread
-            self._error = exc
-            self._ready.set()
-            return
-        self._ready.set()
-        self._loop.run_forever()
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}/retrieve"
-
-    def start(self) -> str:
-        self._thread.start()
-        self._ready.wait(60)
-        if self._error is not None:
-            raise RuntimeError(f"retrieval server failed to start on {self.host}:{self.port}: {self._error}")
-        return self.url
-
-    def stop(self) -> None:
-        if self._runner is not None and self._loop.is_running():
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(30)
-
-    def __enter__(self) -> str:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -220,35 +303,57 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--index", default=None, help="FAISS index file (Search-R1's e5_Flat.index) or a fastcredit build folder")
     p.add_argument("--corpus", default=None, help="corpus jsonl (needed unless --index is a build folder)")
     add_encoder_args(p, query_prefix_help="E5: 'query: '", passage_prefix_help="E5: 'passage: ' (only used when building)")
+    p.add_argument("--max-length", type=int, default=256, help="encoder tokens per passage when building an index")
+    p.add_argument("--max-query-tokens", type=int, default=None,
+                   help="encoder tokens per query, prefix included; longer queries are truncated as Search-R1's "
+                        "retriever does (default: --max-length, Search-R1's retrieval_query_max_length 256)")
     p.add_argument("--num-shards", type=int, default=0, help="GPUs to shard a flat index over (0: all)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes the server to the network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--topk", type=int, default=d.default_topk, help="passages per query when a request sets none")
     for name, what in (("max_topk", "largest topk a request may ask for"), ("max_queries", "queries per request"),
-                       ("max_query_chars", "characters per query"), ("max_body_bytes", "bytes per request body"),
+                       ("max_query_chars", "characters per query (more: 413, before tokenizing)"),
+                       ("max_body_bytes", "bytes per request body"),
                        ("max_queue", "queries waiting across requests (more: 503)"),
                        ("batch_size", "queries per encoder + index call")):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), help=what)
-    p.add_argument("--timeout-s", type=float, default=d.timeout_s,
-                   help="per-request limit, queueing included (past it: 504)")
-    p.add_argument("--batch-timeout-ms", type=float, default=d.batch_timeout_ms,
-                   help="how long a batch waits for more queries before it runs")
+    for name, what in (("timeout_s", "per-request limit, from a whole body to its answer (past it: 504)"),
+                       ("batch_timeout_ms", "how long a batch waits for more queries before it runs"),
+                       ("header_timeout_s", "seconds from a request's first byte to the end of its headers "
+                                            "(past it: 408 and the connection is closed)"),
+                       ("body_timeout_s", "seconds to read a request body (past it: 408, connection closed)"),
+                       ("idle_timeout_s", "seconds an open connection may sit with no request (keep-alive)"),
+                       ("linger_s", "seconds the rest of a refused, unread body is drained before closing")):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name), help=what)
     return p
 
 
 def main(argv: Optional[list] = None) -> int:
-    a = _parser().parse_args(argv)
+    p = _parser()
+    a = p.parse_args(argv)
+    if a.max_query_tokens is not None and a.max_query_tokens < 1:
+        p.error(f"--max-query-tokens must be at least 1, got {a.max_query_tokens}")
+    try:
+        limits = ServerLimits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(ServerLimits)
+                                 if f.name != "default_topk"}, default_topk=a.topk)
+    except ValueError as exc:
+        p.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from fastcredit.retrieval.retriever import open_retriever
 
     retriever = open_retriever(corpus=a.corpus, index=a.index, encoder=a.encoder, pooling=a.pooling,
                                query_prefix=a.query_prefix, passage_prefix=a.passage_prefix, index_type=a.index_type,
-                               device=a.device, dtype=a.dtype, batch_size=a.batch_size, num_shards=a.num_shards)
-    limits = ServerLimits(a.topk, a.max_topk, a.max_queries, a.max_query_chars, a.max_body_bytes, a.max_queue,
-                          a.timeout_s, a.batch_size, a.batch_timeout_ms)
-    app = make_app(retriever_batch_fn(retriever), limits, {"num_passages": len(retriever.corpus)})
+                               device=a.device, dtype=a.dtype, max_length=a.max_length, batch_size=a.batch_size,
+                               num_shards=a.num_shards)
+    enc = retriever.encoder
+    enc.query_max_length = a.max_query_tokens
+    model_max = getattr(enc.model.config, "max_position_embeddings", None)
+    if a.max_query_tokens and model_max and a.max_query_tokens > model_max:
+        p.error(f"--max-query-tokens {a.max_query_tokens} exceeds the encoder's {model_max} positions")
+    info = {"num_passages": len(retriever.corpus), "max_query_tokens": enc.query_max_length or enc.max_length}
+    app = make_app(retriever_batch_fn(retriever), limits, info)
     log.info("serving %d passages on http://%s:%d/retrieve", len(retriever.corpus), a.host, a.port)
-    web.run_app(app, host=a.host, port=a.port, access_log=None, print=None)
+    serve_forever(app, a.host, a.port)
     return 0
 
 

@@ -133,7 +133,8 @@ def test_searchr1_assets_load_as_is(assets, tmp_path):
 
 def test_from_config_builds_what_is_missing(assets, tmp_path):
     corpus = write_corpus(str(tmp_path / "c.jsonl"), tiny_passages(40, seed=3))
-    cfg = RetrievalConfig(corpus=corpus, index=str(tmp_path / "idx" / "my.index"), encoder=assets["enc_dir"], device="cpu")
+    cfg = RetrievalConfig(corpus=corpus, index=str(tmp_path / "idx" / "my.index"), encoder=assets["enc_dir"], device="cpu",
+                          build_index="missing")  # asked for: a set index that is missing is built
     r = from_config(cfg, tokenizer=assets["tok"], progress=False)
     assert os.path.exists(tmp_path / "idx" / "my.index") and len(r.corpus) == 40
     assert r.search([r.corpus.contents(7)], 1)[0][0].row == 7

@@ -10,26 +10,17 @@ import urllib.request
 import pytest
 
 from fastcredit.batching import MicroBatcher, QueueFull
-from fastcredit.retrieval.build import build_all
 from fastcredit.retrieval.client import RetrievalClient, RetrievalRequestError, RetrievalUnavailable
-from fastcredit.retrieval.corpus import CorpusStore
-from fastcredit.retrieval.indexes import load_index
 from fastcredit.retrieval.loadtest import malformed_requests, run_load_test
-from fastcredit.retrieval.retriever import Retriever
 from fastcredit.retrieval.serve import RequestError, ServerLimits, ServerThread, make_app, parse_request, retriever_batch_fn
-from fastcredit.retrieval.testing import tiny_encoder, tiny_passages, write_corpus
+from fastcredit.retrieval.testing import tiny_passages
 
 LIMITS = ServerLimits(max_topk=10, max_queries=16, max_query_chars=200, max_body_bytes=64 * 1024)
 
 
 @pytest.fixture(scope="module")
-def retriever(tmp_path_factory):
-    d = tmp_path_factory.mktemp("srv")
-    passages = tiny_passages(200, seed=8)
-    corpus = write_corpus(str(d / "c.jsonl"), passages)
-    enc = tiny_encoder(dim=32, seed=9)
-    out = build_all(corpus, str(d / "b"), encoder_obj=enc, progress=False)
-    return Retriever(CorpusStore(f"{out}/corpus"), load_index(f"{out}/tiny-bert-32-9_Flat.index"), enc)
+def retriever(toy_search):
+    return toy_search["retriever"]
 
 
 @pytest.fixture(scope="module")

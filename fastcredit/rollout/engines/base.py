@@ -12,7 +12,7 @@ import abc
 import asyncio
 import concurrent.futures
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -27,6 +27,9 @@ class SamplingParams:
     stop_token_ids: list = field(default_factory=list)  # e.g. EOS; the stop token is part of the output
     logprobs: bool = False  # the sampled tokens' log-probs under the temperature-scaled logits
     seed: Optional[int] = None  # per-request seed: the same request gives the same tokens
+    # An output grammar (fastcredit.judges.grammar.Grammar): vLLM decodes under its regex(max_tokens)
+    # (structured outputs), the HF engine masks logits with its decoder(); the row ends when it is complete.
+    constraint: Optional[Any] = None
 
 
 @dataclass
@@ -48,14 +51,24 @@ class Engine(abc.ABC):
                  params: Union[SamplingParams, Sequence[SamplingParams]]) -> list[GenOutput]:
         """One batch, synchronously; ``params`` per request or shared."""
 
-    def generate_text(self, prompts: Sequence[str], max_tokens: int, temperature: float = 0.0,
-                      tokenizer=None) -> list[str]:
+    def generate_text(self, prompts: Sequence[str], max_tokens: int,
+                      temperature: Union[float, Sequence[float]] = 0.0, tokenizer=None,
+                      seeds: Optional[Sequence[Optional[int]]] = None,
+                      constraints: Optional[Sequence[Any]] = None) -> list[str]:
         """Raw text in, generated text out (judges); EOS ends a completion. ``tokenizer``: the one that
-        encodes, decodes and names EOS (a critic whose weights are switched into this engine brings its own)."""
+        encodes, decodes and names EOS (a critic whose weights are switched into this engine brings its own).
+        ``temperature``, ``seeds`` and ``constraints`` (output grammars) may be given per prompt."""
         tok = tokenizer or self.tokenizer
         ids = [list(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
         eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-        outs = self.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=temperature, stop_token_ids=eos))
+        n = len(prompts)
+        temps = [float(temperature)] * n if isinstance(temperature, (int, float)) else list(temperature)
+        seeds = list(seeds) if seeds is not None else [None] * n
+        constraints = list(constraints) if constraints is not None else [None] * n
+        params = [SamplingParams(max_tokens=max_tokens, temperature=t, stop_token_ids=eos, seed=s,
+                                 constraint=c if c is None or tokenizer is None else c.bind(tok))
+                  for t, s, c in zip(temps, seeds, constraints)]
+        outs = self.generate(ids, params)
         return [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
 
     def sleep(self, level: int = 1) -> None:

@@ -6,6 +6,8 @@ Prompts are left-padded; one forward over the prompts fills the KV cache, then o
 per step for every unfinished row. Each row has its own sampling parameters, generator
 (seeded per request when ``seed`` is set) and stop rules: a stop token, or a stop string
 found in the row's decoded tail, ends the row right after the token that completed it.
+A row with an output grammar (``SamplingParams.constraint``) samples only the tokens its
+decoder allows and ends as soon as the grammar is complete (``fastcredit.judges.grammar``).
 The loop ends when every row has finished or used its ``max_tokens``. Finished rows are
 dropped from the batch (and from the KV cache) so long rows do not pay for short ones.
 """
@@ -96,13 +98,20 @@ class HFEngine(Engine):
                          position_ids=pos.to(self.device), use_cache=True)
         cache, logits = out.past_key_values, out.logits[:, -1]
         mask, last_pos = mask.to(self.device), pos[:, -1].to(self.device)
+        procs = [None if p.constraint is None else p.constraint.decoder(
+            p.constraint.tokenizer or self.tokenizer, p.max_tokens, logits.shape[-1], p.stop_token_ids) for p in params]
         while alive:
+            for j, r in enumerate(alive):
+                if procs[r] is not None:
+                    procs[r].apply(logits[j])
             nxt, lp = _sample(logits, [params[r] for r in alive], [gens[r] for r in alive])
             keep = []
             for j, r in enumerate(alive):
                 toks[r].append(int(nxt[j]))
                 lps[r].append(float(lp[j]))
-                done[r] = self._finished(toks[r], params[r])
+                if procs[r] is not None:
+                    procs[r].advance(toks[r][-1])
+                done[r] = ("stop", None) if procs[r] is not None and procs[r].done else self._finished(toks[r], params[r])
                 if done[r] is None:
                     keep.append(j)
             if len(keep) < len(alive):  # drop finished rows from the batch and the cache

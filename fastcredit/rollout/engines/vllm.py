@@ -233,7 +233,18 @@ class VLLMEngine(Engine):
         return VP(n=1, output_kind=RequestOutputKind.FINAL_ONLY, max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                   stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None,
                   include_stop_str_in_output=True, logprobs=0 if p.logprobs else None, seed=p.seed,
-                  skip_special_tokens=False, spaces_between_special_tokens=False)
+                  skip_special_tokens=False, spaces_between_special_tokens=False,
+                  structured_outputs=self._grammar(p))
+
+    @staticmethod
+    def _grammar(p: SamplingParams):
+        """An output grammar as vLLM's structured outputs (a regex; xgrammar compiles it, guidance if it refuses).
+        NOTE: vLLM matches it against its own tokenizer, the policy's, even for a switched critic's weights."""
+        if p.constraint is None:
+            return None
+        from vllm.sampling_params import StructuredOutputsParams
+
+        return StructuredOutputsParams(regex=p.constraint.regex(p.max_tokens))
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: Union[SamplingParams, Sequence[SamplingParams]]) -> list[GenOutput]:

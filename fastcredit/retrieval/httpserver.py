@@ -1,0 +1,199 @@
+"""The HTTP layer under the ``/retrieve`` app: aiohttp with read and idle timeouts, JSON
+error bodies for requests aiohttp itself refuses, and the ways to run it (a thread, or the
+foreground process).
+
+    with ServerThread(make_app(...)) as url: ...          # tests, benchmarks, inside a trainer
+    serve_forever(make_app(...), "127.0.0.1", 8000)      # python -m fastcredit.retrieval.serve
+
+Connection timeouts (:class:`Timeouts`): a request head (request line and headers) must
+arrive within ``header_s`` of its first byte, else the server answers 408 and closes; an
+idle connection (before its first request or between requests) is closed after
+``idle_s`` (aiohttp's keep-alive timeout). The body's read timeout is the handler's
+(``serve.py``). A slow-drip client holds one socket and one idle task, never the worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from http import HTTPStatus
+from dataclasses import dataclass
+from typing import Optional
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_server import Server
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Timeouts:
+    header_s: float = 10.0   # from a request's first byte to the end of its headers (past it: 408, closed)
+    idle_s: float = 60.0     # an open connection with no request in flight (past it: closed)
+
+
+TIMEOUTS = web.AppKey("timeouts", Timeouts)
+
+
+def _raw_json_response(status: int, reason: str, message: str) -> bytes:
+    body = json.dumps({"error": message}).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    return head.encode() + body
+
+
+class _TimedRequestHandler(RequestHandler):
+    """aiohttp's connection protocol plus a header read timeout and JSON error bodies.
+
+    NOTE: reads aiohttp's ``_request_count`` (requests parsed on this connection) and
+    ``_waiter`` (set while the connection waits for its next request); an aiohttp without
+    them gets no header timeout (a warning says so; the idle timeout still holds), and the
+    tests in ``tests/retrieval/test_server_limits.py`` fail.
+    """
+
+    __slots__ = ("header_s", "_head_timer", "_head_count")
+    PRIVATE = ("_request_count", "_waiter", "_loop")
+
+    def data_received(self, data: bytes) -> None:
+        if not self.header_s:
+            return super().data_received(data)
+        count = self._request_count
+        super().data_received(data)
+        if self._request_count != count:  # a whole request head arrived
+            self._cancel_head_timer()
+        waiting = self._waiter is not None and not self._waiter.done()
+        if data and waiting and self._head_timer is None and self.transport is not None:
+            self._head_count = self._request_count
+            self._head_timer = self._loop.call_later(self.header_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._request_count == self._head_count and self.transport is not None:
+            msg = f"request headers did not arrive within {self.header_s} s of their first byte"
+            self.transport.write(_raw_json_response(408, "Request Timeout", msg))
+            self.force_close()
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def handle_error(self, request, status: int = 500, exc: Optional[BaseException] = None,
+                     message: Optional[str] = None) -> web.StreamResponse:
+        """Requests aiohttp refuses before any handler (a bad request line, oversize headers):
+        a JSON ``{"error"}`` body; 5xx are logged and say nothing about the internals."""
+        if request.writer.output_size > 0:  # the response has started: nothing more to send
+            raise ConnectionError("response already started; cannot send an error")
+        if status >= 500:
+            log.error("error handling a request from %s", request.remote, exc_info=exc)
+            text = HTTPStatus(status).phrase.lower()
+        else:
+            log.debug("refused a malformed HTTP request from %s: %s", request.remote, message)
+            text = f"malformed HTTP request: {message or exc or 'unreadable'}"
+        resp = web.json_response({"error": text}, status=status)
+        resp.force_close()
+        return resp
+
+
+class _TimedServer(Server):
+    header_s = Timeouts.header_s
+
+    def __call__(self) -> RequestHandler:
+        handler = _TimedRequestHandler(self, loop=self._loop, **self._kwargs)
+        handler.header_s, handler._head_timer, handler._head_count = self.header_s, None, 0
+        if handler.header_s and not all(hasattr(handler, a) for a in _TimedRequestHandler.PRIVATE):
+            log.warning("this aiohttp lacks %s: request heads get no read timeout", _TimedRequestHandler.PRIVATE)
+            self.header_s = handler.header_s = 0.0
+        return handler
+
+
+class TimedAppRunner(web.AppRunner):
+    """An ``AppRunner`` whose connections follow ``app[TIMEOUTS]`` (defaults when unset)."""
+
+    def __init__(self, app: web.Application, **kwargs):
+        self.timeouts = app.get(TIMEOUTS) or Timeouts()
+        kwargs.setdefault("access_log", None)
+        super().__init__(app, keepalive_timeout=self.timeouts.idle_s, **kwargs)
+
+    async def _make_server(self) -> Server:
+        server = await super()._make_server()
+        server.__class__ = _TimedServer  # same state, our protocol factory
+        server.header_s = self.timeouts.header_s
+        return server
+
+
+class ServerThread:
+    """Run an app on its own event loop in a daemon thread (tests, benchmarks, embedding in a trainer).
+
+    ``with ServerThread(app) as url: ...`` — port 0 picks a free port; ``url`` ends in ``/retrieve``.
+    """
+
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
+        self.app, self.host, self.port = app, host, port
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="retrieval-server")
+        self._runner: Optional[web.AppRunner] = None
+        self._error: Optional[BaseException] = None
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._runner = TimedAppRunner(self.app)
+            self._loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, self.host, self.port)
+            self._loop.run_until_complete(site.start())
+            self.port = self._runner.addresses[0][1]
+        except BaseException as exc:  # report start-up failures to the starting thread
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/retrieve"
+
+    def start(self) -> str:
+        self._thread.start()
+        self._ready.wait(60)
+        if self._error is not None:
+            raise RuntimeError(f"retrieval server failed to start on {self.host}:{self.port}: {self._error}")
+        return self.url
+
+    def stop(self) -> None:
+        if self._runner is not None and self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+async def _serve(app: web.Application, host: str, port: int) -> None:
+    runner = TimedAppRunner(app, handle_signals=True)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        await asyncio.Event().wait()  # until SIGINT / SIGTERM
+    finally:
+        await runner.cleanup()
+
+
+def serve_forever(app: web.Application, host: str, port: int) -> None:
+    """Serve ``app`` in the foreground until SIGINT or SIGTERM."""
+    try:
+        asyncio.run(_serve(app, host, port))
+    except (web.GracefulExit, KeyboardInterrupt):
+        pass

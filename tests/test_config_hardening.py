@@ -1,0 +1,201 @@
+"""Nonsense config values are refused naming the key: every number's range, duplicated YAML keys, missing paths,
+an index nobody asked to build, an empty training file, a FlashRAG source without a corpus."""
+import dataclasses
+import json
+import math
+import os
+import typing
+
+import pytest
+
+from fastcredit import components as C
+from fastcredit.config import ConfigError, TrainConfig, load_config
+from fastcredit.config_checks import RANGES, _bounds, check_paths
+from fastcredit.data.loaders import DataError, QAExample
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _numbers(cls, prefix=""):
+    """Every int / float key (Optional ones too) and list-of-numbers key of the config, walked here on its own."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _numbers(tp, f"{prefix}{f.name}.")
+            continue
+        args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+        if args[0] in (int, float):
+            yield prefix + f.name, args[0]
+        elif typing.get_origin(args[0]) is list and typing.get_args(args[0])[0] in (int, float):
+            yield prefix + f.name, list
+
+
+NUMBERS = dict(_numbers(TrainConfig))
+
+
+def test_every_number_has_a_range_and_every_range_a_key():
+    assert sorted(set(NUMBERS) - set(RANGES)) == [], "a new numeric field needs an entry in config_checks.RANGES"
+    assert sorted(set(RANGES) - set(NUMBERS)) == [], "RANGES names keys the config does not have"
+
+
+def _bad_values(key):
+    """Values outside ``RANGES[key]``: NaN, the infinities it does not allow, just past each finite end, huge."""
+    rng, tp = RANGES[key], NUMBERS[key]
+    lo_closed, lo, hi, hi_closed = _bounds(rng.spec)
+    step = 1 if tp is int else 0.5
+    bad = [math.nan]
+    if not (hi == math.inf and hi_closed):
+        bad.append(math.inf)
+    if not (lo == -math.inf and lo_closed):
+        bad.append(-math.inf)
+    if math.isfinite(lo):
+        bad += [lo - step if lo_closed else lo, -1e300]
+    if math.isfinite(hi):
+        bad += [hi + step if hi_closed else hi, 1e300]
+    if tp is int:
+        bad += [2 ** 64, -(2 ** 64)]
+    return [v for v in bad if v not in rng.also]
+
+
+def _text(key, value):
+    text = {math.inf: "inf", -math.inf: "-inf"}.get(value, "nan" if value != value else repr(value))
+    return f"[{text}, 0.9]" if NUMBERS[key] is list else text
+
+
+@pytest.mark.parametrize("key", sorted(RANGES))
+def test_every_number_out_of_range_is_refused_naming_the_key(key):
+    for value in _bad_values(key):
+        item = f"{key}={_text(key, value)}"
+        with pytest.raises(ConfigError, match=f"'?{key}'? ") as err:
+            load_config(None, [item])
+        assert f"command line '{item}'" in str(err.value)
+
+
+@pytest.mark.parametrize("item, message", [
+    ("optim.grad_clip=-1", r"optim.grad_clip must lie in \(0, inf\] \(inf: no clipping\), got -1.0"),
+    ("optim.grad_clip=0", "optim.grad_clip must lie in"),
+    ("optim.total_steps=-3", r"optim.total_steps must lie in \[0, inf\), got -3"),
+    ("rollout.temperature=inf", r"rollout.temperature must lie in \(0, inf\)"),
+    ("rollout.temperature=0", "training divides the logits by it"),
+    ("rollout.max_action_tokens=0", r"rollout.max_action_tokens must lie in \[1, inf\), got 0"),
+    ("eval.questions=-1", r"eval.questions must lie in \[0, inf\) \(0: no evaluation\), got -1"),
+    ("optim.lr=nan", "optim.lr must lie in"),
+    ("optim.betas=[0.9, 1.0]", r"optim.betas must lie in \[0, 1\) \(each of the two\), got \[0.9, 1.0\]"),
+    ("optim.betas=[0.9]", "optim.betas must be two numbers"),
+    ("optim.betas=[x, 0.9]", "'optim.betas' must be a number"),
+    ("optim.betas=[0.9, nan]", r"optim.betas must lie in \[0, 1\) \(each of the two\), got \[0.9, nan\]"),
+    ("rollout.top_k=0", r"rollout.top_k must lie in \[1, inf\) \(-1: off\), got 0"),
+    ("seed=4294967296", "seed must lie in"),
+    ("model.tiny_heads=3", "model.tiny_hidden=128 must be a multiple of model.tiny_heads=3"),
+    ("data.toy.num_cities=3", r"data.toy: num_cities \(3\) must be at least num_countries \(30\)"),
+    ("retrieval.build_index=never", "retrieval.build_index=never needs retrieval.index"),
+])
+def test_the_issues_nonsense_values_are_refused(item, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [item])
+
+
+def test_meaningful_specials_are_accepted():
+    cfg = load_config(None, ["optim.grad_clip=inf", "guard.max_kl=inf", "guard.min_reward=-inf", "rollout.top_k=-1",
+                             "optim.total_steps=0", "eval.questions=0", "logging.keep_checkpoints=0",
+                             "judges.temperature=0", "loss.dual_clip=3", "optim.critic_warmup_ratio=null",
+                             "retrieval.num_shards=0"])
+    assert math.isinf(cfg.optim.grad_clip) and cfg.rollout.top_k == -1 and cfg.optim.critic_warmup_ratio is None
+    with pytest.raises(ConfigError, match=r"distributed.shard_size must lie in \[1, inf\) \(-1: all ranks\), got 0"):
+        load_config(None, ["distributed.shard_size=0"])
+
+
+def test_a_range_error_names_the_yaml_line(tmp_path):
+    p = tmp_path / "x.yaml"
+    p.write_text("seed: 1\noptim:\n  lr: 1.0e-3\n  grad_clip: -1\n")
+    with pytest.raises(ConfigError, match=r"x.yaml line 4: optim.grad_clip must lie in \(0, inf\]"):
+        load_config(str(p))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("optim:\n  lr: 1.0e-3\nseed: 1\noptim:\n  lr: 1.0e-6\n", "'optim' is given twice, at lines 1 and 4"),
+    ("optim:\n  lr: 1.0e-3\n  grad_clip: 1.0\n  lr: 1.0e-6\n", "'optim.lr' is given twice, at lines 2 and 4"),
+    ("credit:\n  cwgrpo:\n    alpha: 1\n    alpha: 2\n", "'credit.cwgrpo.alpha' is given twice, at lines 3 and 4"),
+    ("optim: {lr: 1.0e-3, lr: 1.0e-6}\n", "'optim.lr' is given twice, at lines 1 and 1"),
+    ("seed: 1\nseed: 1\n", "'seed' is given twice, at lines 1 and 2"),
+])
+def test_a_key_given_twice_in_yaml_names_both_lines(tmp_path, text, message):
+    p = tmp_path / "x.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=f"x.yaml: {message}"):
+        load_config(str(p))
+
+
+def test_the_same_key_in_different_sections_is_no_duplicate(tmp_path):
+    p = tmp_path / "x.yaml"
+    p.write_text("optim:\n  lr: 1.0e-3\nwarmstart:\n  lr: 1.0e-3\n")
+    assert load_config(str(p)).optim.lr == 1e-3
+
+
+@pytest.mark.parametrize("override, part, message", [
+    ("model.policy=/x/y", "model", r"model.policy: /x/y does not exist \(a local Hugging Face folder, 'tiny' or 'smollm2'\)"),
+    ("model.tokenizer=/x/tok", "model", "model.tokenizer: /x/tok does not exist"),
+    ("retrieval.corpus=/x/c.jsonl", "retrieval", "retrieval.corpus: /x/c.jsonl does not exist"),
+    ("retrieval.encoder=/x/e5", "retrieval", r"retrieval.encoder: /x/e5 does not exist \('minilm' or"),
+    ("judges.model=/x/judge", "judges", "judges.model: /x/judge does not exist"),
+])
+def test_missing_paths_name_their_key(override, part, message):
+    cfg = load_config(None, [override, "judges.backend=colocated"])
+    with pytest.raises(ConfigError, match=message) as err:
+        check_paths(cfg, part)
+    assert isinstance(err.value, FileNotFoundError)  # callers that catch OSError (the export) still do
+    check_paths(load_config(None, []))  # the defaults name nothing local
+
+
+def test_a_missing_model_folder_fails_before_transformers_sees_it(tmp_path):
+    cfg = load_config(None, ["model.policy=/x/y"])
+    with pytest.raises(ConfigError, match="model.policy: /x/y does not exist"):
+        C.load_tokenizer(cfg, None, str(tmp_path))
+    with pytest.raises(ConfigError, match="model.policy: /x/y does not exist"):
+        C.load_policy(cfg, None)
+
+
+def test_a_missing_index_is_not_built_unless_asked(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "0", "contents": "\\"T\\"\\nx"}\n')
+    index = str(tmp_path / "e5_Flat.index")
+    cfg = load_config(None, [f"retrieval.corpus={corpus}", f"retrieval.index={index}", "retrieval.encoder=minilm",
+                             "retrieval.query_prefix=query: "])
+    with pytest.raises(ConfigError, match=r"retrieval.index: .*e5_Flat.index does not exist, and with "
+                                          r"retrieval.build_index=auto nothing builds it") as err:
+        C.make_searcher(cfg, None, str(corpus))
+    message = str(err.value)
+    assert f"python -m fastcredit.retrieval.build --corpus {corpus} --out {tmp_path}/e5_Flat --query-prefix 'query: '" \
+        in message and "retrieval.build_index=missing" in message
+    from fastcredit.retrieval.retriever import from_config
+
+    with pytest.raises(ConfigError, match="e5_Flat.index does not exist"):  # the library entry point too
+        from_config(cfg.retrieval, corpus=str(corpus))
+    check_paths(load_config(None, [f"retrieval.corpus={corpus}", f"retrieval.index={index}",
+                                   "retrieval.build_index=missing"]), "retrieval")
+
+
+def _qa_file(path, n):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps(QAExample(f"q{i}", "q", ["a"], "nq").to_record()) + "\n")
+    return str(path)
+
+
+def test_an_empty_training_file_is_a_data_error_naming_it(tmp_path):
+    train = _qa_file(tmp_path / "train.jsonl", 0)
+    cfg = load_config(None, ["data.source=flashrag", f"data.train_path={train}"])
+    with pytest.raises(DataError, match=f"{train}: no training questions"):
+        C.load_data(cfg)
+
+
+def test_a_flashrag_source_without_a_corpus_names_retrieval_corpus(tmp_path):
+    cfg = load_config(None, ["data.source=flashrag", f"data.train_path={_qa_file(tmp_path / 'train.jsonl', 2)}"])
+    with pytest.raises(ConfigError, match="data.source=flashrag needs retrieval.corpus"):
+        C.load_data(cfg)
+    with pytest.raises(ConfigError, match="data.test_path: /x/test.jsonl does not exist"):
+        C.load_data(load_config(None, ["data.source=flashrag", f"data.train_path={tmp_path}/train.jsonl",
+                                       "data.test_path=/x/test.jsonl"]))
+    with pytest.raises(ConfigError, match="data.train_path: /x/train.parquet does not exist"):
+        C.load_data(load_config(None, ["data.source=searchr1", "data.train_path=/x/train.parquet"]))
