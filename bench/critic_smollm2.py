@@ -3,6 +3,7 @@ free-text verdicts before, verdict grammars after.
 
     PYTHONPATH=. python bench/critic_smollm2.py                 # 20 toy-world trajectories, all three modes
     PYTHONPATH=. python bench/critic_smollm2.py --n 8 --modes constrained
+    PYTHONPATH=. python bench/critic_smollm2.py --paired-only      # free vs constrained timing, in turn
 
 Trajectories: multi-hop toy questions, one search per gold hop (its gold passages as the
 observation), a redundant repeat of the first search, and the gold answer. The critic gets
@@ -134,6 +135,36 @@ def run_mode(name, engine, tok, items, oracle, max_tokens, shared):
     return out
 
 
+def paired_timing(engine, tok, items, max_tokens, batch, reps=2):
+    """Greedy first asks of ``batch`` trajectories, free and constrained in turn (``reps`` times each), so that both
+    see the same machine load: median seconds per request and new tokens per request."""
+    import statistics
+
+    from fastcredit.judges.backends import JudgeRequest, grammar_of
+    from fastcredit.judges.prompts import criticsearch_prompt
+    from fastcredit.rollout.engines import SamplingParams
+
+    chats, grammars = [], []
+    for it in items[:batch]:
+        n = sum(s.kind_name == "search" for s in it.steps)
+        prompt = criticsearch_prompt(it.golds, it.prediction, it.solution(), True)
+        chats.append(tok(tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True), add_special_tokens=False)["input_ids"])
+        grammars.append(grammar_of(JudgeRequest(prompt, "criticsearch", n_labels=n), max_tokens))
+    runs: dict = {"free": [], "constrained": []}
+    for _ in range(reps):
+        for name, cons in (("free", [None] * len(chats)), ("constrained", grammars)):
+            params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=[tok.eos_token_id],
+                                     constraint=c) for c in cons]
+            t = time.perf_counter()
+            outs = engine.generate(chats, params)
+            runs[name].append((time.perf_counter() - t, sum(len(o.token_ids) for o in outs)))
+    out = {name: {"seconds_per_request": statistics.median(s for s, _ in r) / len(chats),
+                  "new_tokens_per_request": r[0][1] / len(chats), "runs": r} for name, r in runs.items()}
+    print("paired", json.dumps(out), flush=True)
+    return {"requests": len(chats), "reps": reps, **out}
+
+
 def markdown(report) -> str:
     rows = ["| mode | parse OK, first try | parse OK, after 2 re-asks | re-asks repeating the first text | "
             "agreement with oracle | s / request (batched) | requests generated |", "|---|---|---|---|---|---|---|"]
@@ -152,7 +183,19 @@ def markdown(report) -> str:
             "* sampled_retries: free text, re-asks at temperature 0.7 with a seed each (its first asks are "
             "`before`'s, generated once).\n"
             "* constrained: `judges.constrained=true`, the verdict grammar masks logits "
-            "(`fastcredit.judges.grammar`).\n")
+            "(`fastcredit.judges.grammar`).\n\n"
+            "Seconds per request above are amortised over the batch and were measured while other jobs shared the "
+            "2 cores, so they move by 2-5x between modes and runs. " + _paired_md(report.get("paired_timing")))
+
+
+def _paired_md(p) -> str:
+    if not p:
+        return "\n"
+    f, c = p["free"], p["constrained"]
+    return (f"Paired timing ({p['requests']} first asks, free and constrained in turn, {p['reps']} times, median): "
+            f"free {f['seconds_per_request']:.1f} s / request ({f['new_tokens_per_request']:.0f} new tokens), "
+            f"constrained {c['seconds_per_request']:.1f} s / request ({c['new_tokens_per_request']:.0f} new tokens; "
+            "the token table is built before the timing).\n")
 
 
 def main():
@@ -167,6 +210,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--batch", type=int, default=10, help="HF engine rows per forward")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument("--paired-only", action="store_true",
+                    help="only the paired free/constrained timing, added to this device's existing results")
     args = ap.parse_args()
     torch.manual_seed(0)
     t0 = time.time()
@@ -176,12 +221,21 @@ def main():
     assert len({it.solution() for it in items}) == len(items), "the trajectories must differ"
     oracle, _, _ = asyncio.run(CriticSearchCritic(OracleBackend()).score(items))
     engine = HFEngine(lm, tok, max_batch=args.batch)
-    shared: dict = {}
-    modes = {m: run_mode(m, engine, tok, items, oracle, args.max_tokens, shared) for m in args.modes.split(",")}
-    gold = oracle[~torch.isnan(oracle)]
-    report = {"device": device_name(), "model": "SmolLM2-135M-Instruct (GGUF Q4_1, de-quantised to fp32)",
-              "trajectories": len(items), "agreement_of_all_ones": float(gold.mean()), "max_tokens": args.max_tokens, "batch": args.batch, "load_s": load_s,
-              "cpu_threads": torch.get_num_threads(), "modes": modes}
+    from fastcredit.judges.grammar import token_table
+
+    token_table(tok)  # built once per tokenizer (a few seconds for 49k tokens): not part of any timing below
+    if args.paired_only:
+        with open(os.path.join(RESULTS_DIR, f"critic_smollm2_{device_slug(device_name())}.json")) as f:
+            report = json.load(f)
+    else:
+        shared: dict = {}
+        modes = {m: run_mode(m, engine, tok, items, oracle, args.max_tokens, shared) for m in args.modes.split(",")}
+        gold = oracle[~torch.isnan(oracle)]
+        report = {"device": device_name(), "model": "SmolLM2-135M-Instruct (GGUF Q4_1, de-quantised to fp32)",
+                  "trajectories": len(items), "agreement_of_all_ones": float(gold.mean()),
+                  "max_tokens": args.max_tokens, "batch": args.batch, "load_s": load_s,
+                  "cpu_threads": torch.get_num_threads(), "modes": modes}
+    report["paired_timing"] = paired_timing(engine, tok, items, args.max_tokens, args.batch)
     write_results("critic_smollm2", report)
     path = os.path.join(RESULTS_DIR, f"critic_smollm2_{device_slug(report['device'])}.md")
     with open(path, "w") as f:
