@@ -227,7 +227,7 @@ def _write_latest(root: str, name: str) -> None:
     _write_synced(os.path.join(root, LATEST), name + "\n")
 
 
-def _steps(root: str) -> dict:
+def finished_steps(root: str) -> dict:
     """``{step: folder name}`` of the finished checkpoints under ``root``."""
     if not os.path.isdir(root):
         return {}
@@ -240,7 +240,7 @@ def _prune(root: str, keep: int, newest: str) -> None:
     older ones, and later-numbered ones (a timeline a fall-back or rollback abandoned). ``keep`` <= 0: none."""
     if keep <= 0:
         return
-    top, steps = int(_STEP.fullmatch(newest).group(1)), _steps(root)
+    top, steps = int(_STEP.fullmatch(newest).group(1)), finished_steps(root)
     older = sorted(s for s in steps if s < top)
     for s in older[:max(len(older) - (keep - 1), 0)] + [s for s in steps if s > top]:
         shutil.rmtree(os.path.join(root, steps[s]), ignore_errors=True)
@@ -278,7 +278,7 @@ def checkpoint_candidates(root: str) -> tuple[list[str], list[str]]:
     what is wrong with ``latest`` (then every finished checkpoint is a candidate, or those before the one it
     names when that one is gone). Checkpoints after the one ``latest`` names (a save killed before ``latest``
     moved) are left out."""
-    steps = _steps(root)
+    steps = finished_steps(root)
     name, problem = _read_latest(root)
     if name is None and problem is None and steps:
         problem = f"{os.path.join(root, LATEST)} is missing"

@@ -264,6 +264,7 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
 
 
 def main(argv: Optional[list] = None) -> int:
+    from fastcredit.checkpoint import CheckpointError
     from fastcredit.cli import take_flags
     from fastcredit.export import ExportError
 
@@ -287,7 +288,7 @@ def main(argv: Optional[list] = None) -> int:
                        [s.strip() for s in in_domain.split(",") if s.strip()], engine=opts.get("--engine", "auto"),
                        batch=opts.get("--batch", 256), out=opts.get("--out"), fresh=bool(opts.get("--fresh")),
                        progress=cfg.logging.progress)
-    except (ConfigError, DataError, FileNotFoundError, ExportError) as exc:
+    except (ConfigError, DataError, FileNotFoundError, ExportError, CheckpointError) as exc:
         print(f"eval error: {exc}", file=sys.stderr)
         return 2
     print(res["markdown"])

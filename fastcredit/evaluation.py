@@ -14,7 +14,7 @@ import time
 from typing import Iterable, Sequence
 
 from fastcredit.config import ConfigError
-from fastcredit.data.loaders import DataError, QAExample
+from fastcredit.data.loaders import DataError, QAExample, atomic_output
 from fastcredit.rewards import score_trajectory
 
 # Search-R1's seven test sets in its tables' order (General QA, then multi-hop QA).
@@ -188,7 +188,5 @@ class PredictionCache:
 
 
 def atomic_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1)
-    os.replace(tmp, path)

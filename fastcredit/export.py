@@ -65,26 +65,18 @@ def _name_deepspeed_accelerator() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
 
 
-def available_steps(ckpt_dir: str) -> list[int]:
-    """The finished checkpoints' steps under ``ckpt_dir`` (``step_000040`` → 40), ascending."""
-    if not os.path.isdir(ckpt_dir):
-        return []
-    names = (d for d in os.listdir(ckpt_dir) if d.startswith("step_") and not d.endswith(".tmp"))
-    return sorted(int(d[5:]) for d in names if d[5:].isdigit() and os.path.isdir(os.path.join(ckpt_dir, d)))
-
-
 def find_checkpoint(run_dir: str, step: Optional[int] = None) -> str:
     """The folder of ``run_dir``'s checkpoint at ``step`` (default: the one ``checkpoints/latest`` names), its files
     checked against its manifest (``fastcredit.checkpoint.verify_checkpoint``)."""
     if not os.path.isdir(run_dir):
         raise ExportError(f"run folder {run_dir} does not exist")
+    from fastcredit.checkpoint import LATEST, CheckpointError, finished_steps, latest_checkpoint, verify_checkpoint
+
     ckpt_dir = os.path.join(run_dir, "checkpoints")
-    steps = available_steps(ckpt_dir)
+    steps = sorted(finished_steps(ckpt_dir))
     if not steps:
         raise ExportError(f"{ckpt_dir} holds no finished checkpoint (step_N folders): nothing to export")
     listing = ", ".join(map(str, steps))
-    from fastcredit.checkpoint import LATEST, CheckpointError, latest_checkpoint, verify_checkpoint
-
     if step is None:
         try:
             path = latest_checkpoint(ckpt_dir)
