@@ -1,6 +1,6 @@
 """Dynamic batching for asyncio callers: many concurrent requests, one worker thread.
 
-Used by the retrieval server and the agent loop's searches (``fastcredit.retrieval``) and by
+Used by the retrieval and PRM servers and the agent loop's searches (``fastcredit.retrieval``) and by
 the generation engines' async API (``fastcredit.rollout.engines``). Each request is a list
 of items (the queries of one ``/retrieve`` call, one agent's search, one generation);
 requests are never split. A batch is sent to the worker when it holds
@@ -8,13 +8,19 @@ requests are never split. A batch is sent to the worker when it holds
 runs, new requests queue and form the next batch, so the worker is never idle while work
 waits and a request never waits for more than one batch ahead of it plus the timeout.
 The queue is bounded: past ``max_queue`` waiting items :class:`QueueFull` is raised at once.
+A server wraps its batch function in :func:`isolate_failures`, so a request whose items make
+the function raise fails alone.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import concurrent.futures
+import itertools
+import logging
 from typing import Callable, Optional, Sequence
+
+log = logging.getLogger(__name__)
 
 
 class QueueFull(RuntimeError):
@@ -58,7 +64,7 @@ class MicroBatcher:
                 pass
         for _, fut, _ in self._pending:
             if not fut.done():
-                fut.set_exception(RuntimeError("retrieval batcher closed"))
+                fut.set_exception(RuntimeError("batcher closed"))
         self._pending.clear()
         if self._own_executor:
             self._executor.shutdown(wait=False)
@@ -67,7 +73,7 @@ class MicroBatcher:
         if self._task is None:
             raise RuntimeError("MicroBatcher.start() was not called")
         if self._queued + len(items) > self.max_queue:
-            raise QueueFull(f"retrieval queue is full ({self._queued} items waiting, limit {self.max_queue})")
+            raise QueueFull(f"queue is full ({self._queued} items waiting, limit {self.max_queue})")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending.append((items, fut, loop.time()))
@@ -138,3 +144,44 @@ class MicroBatcher:
                 if not fut.done():
                     fut.set_result(list(results[at:at + len(items)]))
                 at += len(items)
+
+
+class ItemFailed:
+    """The result of an item whose request could not be computed: ``exc`` says why."""
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def isolate_failures(batch_fn: Callable[[list], list]) -> Callable[[list], list]:
+    """Items ``(request id, *args)`` → ``batch_fn([args, …])``'s result per item, or :class:`ItemFailed`.
+
+    When ``batch_fn`` raises on the merged batch, the batch is retried in halves (a request's
+    items stay together) until each failure is pinned on the requests that cause it: one bad
+    request among n costs about ``2 log2 n`` extra calls, and every other request gets its results.
+    """
+    def solve(groups: list, out: list) -> None:
+        flat = [tuple(it[1:]) for g in groups for it in g]
+        try:
+            results = batch_fn(flat)
+            if len(results) != len(flat):
+                raise RuntimeError(f"batch function returned {len(results)} results for {len(flat)} items")
+        except Exception as exc:  # a failed batch: find who fails, answer everyone else
+            if len(groups) == 1:
+                log.error("batch failed for one request (%d items): %s: %s", len(flat), type(exc).__name__, exc,
+                          exc_info=exc)
+                out.extend([ItemFailed(exc)] * len(flat))
+                return
+            log.warning("a batch of %d requests failed (%s: %s); retrying in halves", len(groups),
+                        type(exc).__name__, exc)
+            solve(groups[:len(groups) // 2], out)
+            solve(groups[len(groups) // 2:], out)
+            return
+        out.extend(results)
+
+    def run(items: list) -> list:
+        out: list = []
+        solve([list(g) for _, g in itertools.groupby(items, key=lambda it: it[0])], out)
+        return out
+    return run

@@ -205,18 +205,25 @@ class TrainConfig:
     guard: GuardConfig = opt(GuardConfig, "collapse guard on KL, gradient norm and reward")
 
 
-def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()) -> TrainConfig:
-    """Defaults, then the YAML file (if any), then ``key=value`` overrides; validated."""
-    cfg, origins = TrainConfig(), {}
+def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = (), root: type = None):
+    """Defaults, then the YAML file (if any), then ``key=value`` overrides; validated.
+
+    ``root``: the config tree's class (default :class:`TrainConfig`); another command's root (e.g.
+    ``fastcredit.prm.config.PRMTrainConfig``) validates itself with its ``validate(origins)`` method."""
+    root = TrainConfig if root is None else root
+    cfg, origins = root(), {}
     if path is not None:
         data, lines = _read_yaml(path)
-        _apply_mapping(cfg, data, prefix="", origin=lambda k: f"{path} line {lines.get(k, '?')}")
+        _apply_mapping(cfg, data, prefix="", origin=lambda k: f"{path} line {lines.get(k, '?')}", root=root)
         origins.update((k, f"{path} line {n}") for k, n in lines.items())
     for item in overrides:
         key, value = _split_override(item)
         origins[key] = f"command line '{item}'"
-        _set_dotted(cfg, key, value, origin=origins[key])
-    validate(cfg, origins)
+        _set_dotted(cfg, key, value, origin=origins[key], root=root)
+    if root is TrainConfig:
+        validate(cfg, origins)
+    else:
+        cfg.validate(origins)
     return cfg
 
 
@@ -267,14 +274,14 @@ def _record_lines(node, prefix: str, lines: dict, path: str) -> None:
             _record_lines(value_node, key + ".", lines, path)
 
 
-def _apply_mapping(obj, data: dict, prefix: str, origin) -> None:
+def _apply_mapping(obj, data: dict, prefix: str, origin, root: type = None) -> None:
     for key, value in data.items():
         dotted = f"{prefix}{key}"
-        spec = _field_spec(obj, str(key), dotted, origin(dotted), full=_first_leaf(dotted, value))
+        spec = _field_spec(obj, str(key), dotted, origin(dotted), full=_first_leaf(dotted, value), root=root)
         if dataclasses.is_dataclass(spec.type_):
             if not isinstance(value, dict):
                 raise ConfigError(f"{origin(dotted)}: '{dotted}' is a section; give it a mapping of keys, got {value!r}")
-            _apply_mapping(getattr(obj, key), value, dotted + ".", origin)
+            _apply_mapping(getattr(obj, key), value, dotted + ".", origin, root)
         else:
             setattr(obj, key, _coerce(value, spec.type_, dotted, origin(dotted)))
 
@@ -287,11 +294,11 @@ def _first_leaf(dotted: str, value) -> str:
     return dotted
 
 
-def _set_dotted(cfg, key: str, value, origin: str) -> None:
+def _set_dotted(cfg, key: str, value, origin: str, root: type = None) -> None:
     obj, parts = cfg, key.split(".")
     for i, part in enumerate(parts):
         dotted = ".".join(parts[: i + 1])
-        spec = _field_spec(obj, part, dotted, origin, full=key)
+        spec = _field_spec(obj, part, dotted, origin, full=key, root=root)
         if i == len(parts) - 1:
             if dataclasses.is_dataclass(spec.type_):
                 example = next(iter(_field_types(spec.type_)))
@@ -313,19 +320,21 @@ def _field_types(cls) -> dict:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _field_spec(obj, name: str, dotted: str, origin: str, full: Optional[str] = None) -> _Spec:
+def _field_spec(obj, name: str, dotted: str, origin: str, full: Optional[str] = None, root: type = None) -> _Spec:
     """The type of ``name`` in section ``obj``; an unknown key is an error naming the closest valid key, or the
-    fastcredit key of a veRL / Search-R1 key (``full``: the whole key being set, of which ``dotted`` is a part)."""
+    fastcredit key of a veRL / Search-R1 key (``full``: the whole key being set, of which ``dotted`` is a part;
+    ``root``: the tree's class, default TrainConfig)."""
+    root = TrainConfig if root is None else root
     types = _field_types(type(obj))
     if name not in types:
         from fastcredit.config_aliases import explain_unknown
 
-        alias = explain_unknown(dotted, full)
+        alias = explain_unknown(dotted, full) if root is TrainConfig else None  # veRL keys map onto TrainConfig's
         if alias is not None:
             raise ConfigError(f"{origin}: {alias}")
         prefix = dotted[: -len(name)]
         valid = [prefix + k for k in types]
-        close = difflib.get_close_matches(dotted, valid + all_keys(), n=1, cutoff=0.6)
+        close = difflib.get_close_matches(dotted, valid + all_keys(root), n=1, cutoff=0.6)
         hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys here: {', '.join(valid)}"
         raise ConfigError(f"{origin}: unknown key '{dotted}'{hint}")
     return _Spec(types[name])

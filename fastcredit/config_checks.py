@@ -276,8 +276,11 @@ def _paths(cfg, part: str) -> list[tuple[str, Optional[str], str]]:
                 ("retrieval.encoder", r.encoder if local and r.encoder != "minilm" else None,
                  "'minilm' or a local Hugging Face encoder folder")]
     if part == "judges":
+        prm = j.prm if j.prm and j.prm != "oracle" and not j.prm.startswith(("http://", "https://")) else None
         return [("judges.model", j.model if j.backend == "colocated" else None,
-                 "a local Hugging Face folder for judges.backend=colocated")]
+                 "a local Hugging Face folder for judges.backend=colocated"),
+                ("judges.prm", prm, "a PRM folder python -m fastcredit.prm.train exported, 'oracle', or the URL of "
+                                    "PiCA's reward server")]
     raise ValueError(f"unknown part {part!r}; valid: model, data, retrieval, judges")
 
 

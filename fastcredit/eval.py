@@ -180,6 +180,25 @@ def _make_engine(kind: str, folder: str, tokenizer, cfg: TrainConfig, device):
     return make_engine("hf", lm, tokenizer, cfg.rollout, device=device)
 
 
+def open_policy(cfg: TrainConfig, folder: str, corpus: str, engine: str = "auto", progress: bool = True):
+    """``(tokenizer, engine, searcher, engine kind, device)``: the model in ``folder`` ready to roll out on this
+    machine's device with the config's retriever (``engine``: auto | vllm | hf)."""
+    import torch
+    from fastcredit import components as C
+    from fastcredit.export import load_tokenizer
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = load_tokenizer(folder)  # the class the folder names, as training tokenized (fastcredit.export)
+    kind = _pick_engine(engine)
+    gen = _make_engine(kind, folder, tokenizer, cfg, device)
+    try:
+        searcher, _ = C.make_searcher(cfg, tokenizer, corpus, progress=progress, device=device)
+    except BaseException:
+        gen.close()
+        raise
+    return tokenizer, gen, searcher, kind, device
+
+
 def _default_out(model: str, run: Optional[str], step: Optional[int], data: str) -> str:
     stem = os.path.splitext(os.path.basename(os.path.normpath(data)))[0]
     if run is not None:
@@ -205,11 +224,9 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
              engine: str = "auto", batch: int = 256, out: Optional[str] = None, fresh: bool = False,
              progress: bool = True) -> dict:
     """Evaluate ``model`` (a Hugging Face folder or a run folder); returns the summary written to ``out``."""
-    import torch
     from tqdm import tqdm
     from fastcredit import components as C
     from fastcredit.data.prompts import example_prompt_ids
-    from fastcredit.export import load_tokenizer
 
     if batch < 1 or (limit is not None and limit < 1):
         raise ConfigError("--batch and --limit must be at least 1")
@@ -229,14 +246,10 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
         print(f"{out}: {len(chosen) - len(todo)} of {len(chosen)} questions already scored; rolling out the rest",
               flush=True)
     if todo:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        tokenizer = load_tokenizer(folder)  # the class the folder names, as training tokenized (fastcredit.export)
-        kind = _pick_engine(engine)
+        tokenizer, gen, searcher, kind, device = open_policy(cfg, folder, corpus, engine, progress)
         print(f"evaluating {folder} on {data_path} ({len(chosen)} questions, "
               f"{len({examples[i].data_source for i in chosen})} data sources) with the {kind} engine on {device}",
               flush=True)
-        gen = _make_engine(kind, folder, tokenizer, cfg, device)
-        searcher, _ = C.make_searcher(cfg, tokenizer, corpus, progress=progress, device=device)
         loop = C.agent_loop(cfg, gen, searcher, greedy=True)
         d = cfg.data
         bar = tqdm(total=len(chosen), initial=len(chosen) - len(todo), unit="q", desc="eval", disable=not progress,
@@ -263,6 +276,15 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
     return {**summary, "out": out, "markdown": format_markdown(summary, label)}
 
 
+def model_config(model: str, rest: list) -> TrainConfig:
+    """The config of a command that takes ``--model``: ``--config``, else a run folder's ``config.yaml``, else the
+    defaults; then the ``key=value`` overrides in ``rest``."""
+    path, overrides = parse_cli(rest)
+    if path is None and _is_run(model):
+        path = os.path.join(model, "config.yaml")
+    return load_config(path, overrides)
+
+
 def main(argv: Optional[list] = None) -> int:
     from fastcredit.checkpoint import CheckpointError
     from fastcredit.cli import take_flags
@@ -277,11 +299,8 @@ def main(argv: Optional[list] = None) -> int:
         opts, rest = take_flags(argv, FLAGS)
         if "--model" not in opts:
             raise ConfigError("--model DIR|runs/X is required (see --help)")
-        path, overrides = parse_cli(rest)
         model = opts["--model"]
-        if path is None and _is_run(model):
-            path = os.path.join(model, "config.yaml")
-        cfg = load_config(path, overrides)
+        cfg = model_config(model, rest)
         in_domain = opts.get("--in-domain")
         res = evaluate(cfg, model, step=opts.get("--step"), data=opts.get("--data"), split=opts.get("--split", "test"),
                        limit=opts.get("--limit"), in_domain=None if in_domain is None else

@@ -151,7 +151,7 @@ class Trainer:
         self.engine_lm = None  # the engine owns its weights now
         backend = make_backend(cfg, self.engine, dev, policy_config=self.policy.module.lm.config)
         self.proceed_hook = build_proceed_hook(cfg, backend, self.engine, self.tokenizer)
-        self.judges = build_judge_phase(cfg, backend, self.engine)
+        self.judges = build_judge_phase(cfg, backend, self.engine, dev)
         self.phases = PhaseManager(self.engine, getattr(self.judges, "engine", None), train_state,
                                    self.info.device, cfg.rollout.sleep_level, cfg.judges.sleep_level,
                                    cfg.distributed.colocate, sync_fn=self._sync_weights, log=self._log_memory,

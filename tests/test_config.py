@@ -29,12 +29,21 @@ def test_every_method_has_a_config():
     assert set(METHODS) <= names
 
 
+def _root(path):
+    """The config class a file belongs to: the PRM trainer's for prm*.yaml, the RL trainer's otherwise."""
+    if os.path.basename(path).startswith("prm"):
+        from fastcredit.prm.config import PRMTrainConfig
+
+        return PRMTrainConfig
+    return TrainConfig
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.basename(p))
 def test_every_config_loads_and_round_trips(path, tmp_path):
-    cfg = load_config(path)
+    cfg = load_config(path, root=_root(path))
     out = tmp_path / "merged.yaml"
     save_config(cfg, str(out))
-    assert load_config(str(out)) == cfg
+    assert load_config(str(out), root=_root(path)) == cfg
 
 
 def test_method_configs_select_their_estimator():

@@ -18,10 +18,21 @@ METHODS = {
 }
 
 
+WORLD: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_world(tmp_path_factory):
+    """One toy world (and its retrieval index) for every run of this file: built once, not once a test."""
+    WORLD["dir"] = str(tmp_path_factory.mktemp("world"))
+    yield
+    WORLD.clear()
+
+
 def train(out, *overrides, resume=False, check=True, entry=("-m", "fastcredit.train"), env=None):
     """The trainer on the debug config in a subprocess (``entry``: what python runs, e.g. a wrapper script)."""
     cmd = [sys.executable, *entry, "--config", os.path.join(ROOT, "configs", "debug.yaml"),
-           f"logging.output_dir={out}", f"data.world_dir={out}/../world", *SMALL, *overrides]
+           f"logging.output_dir={out}", f"data.world_dir={WORLD['dir']}", *SMALL, *overrides]
     if resume:
         cmd.append("--resume")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,

@@ -1,7 +1,7 @@
 """Critics and judges: prompts, defensive parsers, backends, runners, and the trainer's judge phase.
 
     types.py     what a judge reads about a trajectory (JudgeItem, StepText)
-    prompts.py   CriticSearch / CW-GRPO / process-critic / refiner prompts
+    prompts.py   CriticSearch / CW-GRPO / process-critic / refiner / PiCA pivot prompts
     untrusted.py agent text made harmless before it enters a prompt (neutralise) and its echoes in outputs
     parsers.py   defensive verdict parsers (never raise; None on failure)
     grammar.py   verdict grammars: judges decode under their verdict format (judges.constrained)

@@ -30,10 +30,10 @@ from fastcredit.judges.types import JudgeItem
 @dataclass
 class JudgeRequest:
     prompt: str
-    kind: str  # "criticsearch" | "cwgrpo" | "process"
+    kind: str  # "criticsearch" | "cwgrpo" | "process" | "pivot"
     item: Optional[JudgeItem] = None
     turn: int = -1  # the judged turn (cwgrpo, process)
-    n_labels: Optional[int] = None  # criticsearch: the labels its verdict must hold (search turns)
+    n_labels: Optional[int] = None  # the labels a verdict must hold (criticsearch: search turns; pivot: turns)
     attempt: int = 0  # 0: first ask; k > 0: the k-th re-ask after a parse failure
 
 

@@ -8,6 +8,7 @@ character of the piece after it) and :class:`Lit` (one of a few strings). Every 
 ``Free`` analysis, then markup whose labels are fixed in number and alphabet:
 
 * ``criticsearch``: ``<score>`` then exactly ``n`` labels in {0, 1} separated by ``", "``, ``</score>``;
+* ``pivot``: ``<labels>`` then exactly ``n`` labels in {+, -} separated by ``", "``, ``</labels>``;
 * ``cwgrpo``: ``{"thinking_reward": b, "retrieval_reward": b}`` (the analysis may not hold ``{``);
 * ``process``: ``<rating>N</rating>`` with N in 0..10, then ``<critique>…</critique>`` (at most
   ``critique_tokens``).
@@ -134,23 +135,25 @@ class Grammar:
         return None
 
 
-def _bits(n: int) -> list:
+def _bits(n: int, symbols: tuple = ("0", "1")) -> list:
     out = []
     for k in range(n):
         out += [Lit((", ",))] if k else []
-        out.append(Lit(("0", "1")))
+        out.append(Lit(symbols))
     return out
 
 
 @functools.lru_cache(maxsize=256)
 def verdict_grammar(kind: str, n_labels: Optional[int] = None, critique_tokens: int = 128) -> Grammar:
-    """The verdict format of ``kind`` (``criticsearch`` needs ``n_labels``, its number of search turns)."""
+    """The verdict format of ``kind`` (``criticsearch`` and ``pivot`` need ``n_labels``: search turns, turns)."""
     if critique_tokens < 1:
         raise ValueError(f"critique_tokens must be at least 1, got {critique_tokens}")
+    if kind in ("criticsearch", "pivot") and (n_labels is None or n_labels < 0):
+        raise ValueError(f"a {kind} verdict needs its number of labels, got {n_labels!r}")
     if kind == "criticsearch":
-        if n_labels is None or n_labels < 0:
-            raise ValueError(f"a criticsearch verdict needs its number of labels, got {n_labels!r}")
         pieces = [Free("<"), Lit(("<score>",)), *_bits(n_labels), Lit(("</score>",))]
+    elif kind == "pivot":
+        pieces = [Free("<"), Lit(("<labels>",)), *_bits(n_labels, ("+", "-")), Lit(("</labels>",))]
     elif kind == "cwgrpo":
         pieces = [Free("{"), Lit(('{"thinking_reward": ',)), Lit(("0", "1")), Lit((', "retrieval_reward": ',)),
                   Lit(("0", "1")), Lit(("}",))]
@@ -158,8 +161,8 @@ def verdict_grammar(kind: str, n_labels: Optional[int] = None, critique_tokens: 
         pieces = [Free("<"), Lit(("<rating>",)), Lit(tuple(str(k) for k in range(11))),
                   Lit(("</rating>\n<critique>",)), Free("<", critique_tokens), Lit(("</critique>",))]
     else:
-        raise ValueError(f"no verdict grammar for judge kind {kind!r}; valid: criticsearch, cwgrpo, process")
-    return Grammar(f"{kind}({n_labels})" if kind == "criticsearch" else kind, tuple(pieces))
+        raise ValueError(f"no verdict grammar for judge kind {kind!r}; valid: criticsearch, cwgrpo, process, pivot")
+    return Grammar(f"{kind}({n_labels})" if kind in ("criticsearch", "pivot") else kind, tuple(pieces))
 
 
 class TokenTable:

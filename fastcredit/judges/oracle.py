@@ -1,4 +1,5 @@
-"""The toy world as judge: gold facts answer for the critic, the CW-GRPO judge, the process critic and the PRM.
+"""The toy world as judge: gold facts answer for the critic, the CW-GRPO judge, the process critic, PiCA's pivot
+labeller and the PRM.
 
 Tests and the demo run every judged method without a judge model. The oracle backend
 answers in each judge's own verdict format, so its answers go through the same parsers,
@@ -37,12 +38,21 @@ class OracleBackend:
             found = now
         return out
 
+    @classmethod
+    def pivots(cls, item: JudgeItem) -> list[bool]:
+        """PiCA's pivot labels on the toy world: per turn, is it a search that retrieved a gold passage of a hop
+        no earlier turn had found (the gold sub-answer, reached through its sub-query)?"""
+        return [n and s.kind_name == "search" for s, n in zip(item.steps, cls.new_hops(item))]
+
     def _answer(self, r: JudgeRequest) -> str:
         item = r.item
         new = self.new_hops(item)
         if r.kind == "criticsearch":
             labels = [str(int(n)) for s, n in zip(item.steps, new) if s.kind_name == "search"]
             return f"Oracle: a search is good when it retrieves a new gold fact.\n<score>{', '.join(labels)}</score>"
+        if r.kind == "pivot":
+            labels = ["+" if p else "-" for p in self.pivots(item)]
+            return f"Oracle: a pivot step retrieves a new gold fact.\n<labels>{', '.join(labels)}</labels>"
         s = item.steps[r.turn]
         if r.kind == "cwgrpo":
             earlier = {x.query for x in item.steps[:r.turn] if x.query}

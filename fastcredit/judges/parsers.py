@@ -22,6 +22,7 @@ _MAX_CHARS = 200_000  # longer outputs are cut (from the front: the verdict come
 _SCORE = re.compile(r"<score>(.*?)</score>", re.DOTALL | re.IGNORECASE | re.ASCII)
 _RATING = re.compile(r"<rating>\s*(-?\d{1,3})\s*</rating>", re.IGNORECASE | re.ASCII)
 _CRITIQUE = re.compile(r"<critique>(.*?)</critique>", re.DOTALL | re.IGNORECASE | re.ASCII)
+_LABELS = re.compile(r"<labels>(.*?)</labels>", re.DOTALL | re.IGNORECASE | re.ASCII)
 _JSON_OBJ = re.compile(r"\{[^{}]*\}", re.DOTALL)
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"(\s*:)?', re.DOTALL)
 
@@ -104,4 +105,18 @@ def parse_process(text, quoted: Sequence[str] = ()) -> Optional[tuple[int, str]]
         critiques = _CRITIQUE.findall(text)
         return score, (critiques[-1].strip() if critiques else "")
     except Exception:
+        return None
+
+
+def parse_pivot(text, n_steps: int, quoted: Sequence[str] = ()) -> Optional[list[int]]:
+    """``<labels>+, -, +</labels>`` → ``[1, 0, 1]`` when it holds exactly ``n_steps`` labels in {+, -}."""
+    try:
+        found = _LABELS.findall(_clip(text, quoted))
+        if not found:
+            return None
+        parts = [p for p in re.split(r"[,\s]+", found[-1].strip()) if p]
+        if len(parts) != n_steps or any(p not in ("+", "-") for p in parts):
+            return None
+        return [int(p == "+") for p in parts]
+    except Exception:  # a parser of untrusted text must never raise
         return None

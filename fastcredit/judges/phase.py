@@ -78,7 +78,7 @@ class JudgePhase:
     phase (None when the judge is the policy's engine, an HTTP server or the oracle).
     """
 
-    def __init__(self, cfg: TrainConfig, backend, policy_engine):
+    def __init__(self, cfg: TrainConfig, backend, policy_engine, device: torch.device = torch.device("cpu")):
         from fastcredit.judges.runner import CriticSearchCritic, CWGRPOJudge
 
         kind = estimator_needs(cfg.credit.estimator).judge
@@ -89,9 +89,11 @@ class JudgePhase:
             if kind == "critic" else None
         self.judge = CWGRPOJudge(backend, cfg.credit.critic.retries) if kind == "round_judge" else None
         self.prm = cfg.judges.prm if kind == "prm" else None
-        if self.prm not in (None, "oracle"):
-            raise ValueError(f"judges.prm={self.prm!r}: only 'oracle' (the toy world's gold facts) is available; "
-                             "a trained PRM cannot be loaded yet")
+        self.prm_scorer = None  # a trained PRM folder (PRMScorer) or PiCA's reward server (PiCARewardClient)
+        if self.prm is not None and self.prm != "oracle":
+            self.prm_scorer = build_prm_scorer(cfg, device)
+            if self.engine is None and hasattr(self.prm_scorer, "wake_up"):
+                self.engine = self.prm_scorer  # the phase manager wakes its weights for the judge phase only
 
     def score(self, result, examples, reward: torch.Tensor) -> tuple[dict, dict]:
         """``(extras, metrics)``: the judge's CreditInputs fields and its parse / failure statistics."""
@@ -113,15 +115,48 @@ class JudgePhase:
             metrics.update({f"judge/{k}": float(x) for k, x in stats.items()})
         if self.prm == "oracle":
             from fastcredit.judges.oracle import oracle_prm
+            from fastcredit.prm.scorer import scores_to_inputs
 
             f0, f = oracle_prm(examples, result.episodes)
-            extras.update(prm_f0_B=f0, prm_f_S=f)
+            extras.update(zip(("prm_f0_B", "prm_f_S", "prm_hazard_S"), scores_to_inputs(split_turns(f0, f, result))))
+        elif self.prm_scorer is not None:
+            f0, f, h = self.prm_scorer.score(examples, result.episodes)
+            extras.update(prm_f0_B=f0, prm_f_S=f, prm_hazard_S=h)
+            metrics.update({f"prm/{k}": float(v) for k, v in getattr(self.prm_scorer, "take_stats", dict)().items()})
+            if len(f):
+                metrics.update({"prm/f0_mean": float(f0.mean()), "prm/f_last_mean": float(
+                    torch.stack([f[int(e) - 1] for e in torch.cumsum(torch.tensor([len(x.steps) for x in
+                                                                                     result.episodes]), 0)]).mean())})
         return extras, metrics
 
 
-def build_judge_phase(cfg: TrainConfig, backend, policy_engine) -> Optional[JudgePhase]:
+def split_turns(f0_B: torch.Tensor, f_S: torch.Tensor, result) -> list:
+    """Per trajectory ``[f0, f(1), …, f(T)]`` from the flat ``(f0_B, f_S)`` of ``result``'s episodes."""
+    out, i = [], 0
+    for b, e in enumerate(result.episodes):
+        n = len(e.steps)
+        out.append(torch.cat([f0_B[b:b + 1], f_S[i:i + n]]))
+        i += n
+    return out
+
+
+def build_prm_scorer(cfg: TrainConfig, device: torch.device):
+    """``judges.prm``: an ``http(s)://`` URL is PiCA's reward server (``fastcredit.prm.client``), anything else
+    a PRM folder (``fastcredit.prm.scorer``)."""
+    j = cfg.judges
+    if j.prm.startswith(("http://", "https://")):
+        from fastcredit.prm.client import PiCARewardClient
+
+        return PiCARewardClient(j.prm, timeout_s=j.timeout_s, concurrency=j.concurrency)
+    from fastcredit.prm.scorer import PRMScorer
+
+    return PRMScorer.load(j.prm, device, micro_batch_tokens=cfg.optim.micro_batch_tokens)
+
+
+def build_judge_phase(cfg: TrainConfig, backend, policy_engine,
+                      device: torch.device = torch.device("cpu")) -> Optional[JudgePhase]:
     """The run's judge phase, or None when there is neither a backend nor a PRM."""
-    return JudgePhase(cfg, backend, policy_engine) if backend is not None or cfg.judges.prm else None
+    return JudgePhase(cfg, backend, policy_engine, device) if backend is not None or cfg.judges.prm else None
 
 
 def build_proceed_hook(cfg: TrainConfig, backend, policy_engine, tokenizer):

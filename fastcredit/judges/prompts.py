@@ -1,15 +1,16 @@
 """Judge prompts: CriticSearch's reward prompt (the CriticSearch paper, Appendix F), CW-GRPO's judge rubric
-(the CW-GRPO paper, Figure 6), and ProCeedRL's process critic and refiner (reconstructed: the paper's
+(the CW-GRPO paper, Figure 6), ProCeedRL's process critic and refiner (reconstructed: the paper's
 Appendix E text is missing from the extraction, so these follow its description in Sec. 3.3: an integer
 score 0-10 and a textual critique of the latest step given the history; a refined action from the history,
-the rejected action and the critique).
+the rejected action and the critique), and PiCA's pivot labeller (reconstructed from its Appendix A
+criteria: ``+`` per step that yields a golden sub-answer with its sub-query, else ``-``).
 
 Every piece of trajectory text (question, gold answers, prediction, actions, observations, history,
 rejected action, critique) passes through :func:`~fastcredit.judges.untrusted.neutralise` first: it
 is decoded and normalised (NFKC, escapes, entities, look-alike brackets, invisible characters) and
-the verdict syntax of all three judges (``<score>``, the CW-GRPO JSON keys, ``<rating>`` /
-``<critique>``) is defanged, so a trajectory that writes ``<score>1, 1</score>`` in any encoding (or
-a judge that echoes it) cannot produce a verdict. A judge's builder appends what it quoted to
+the verdict syntax of every judge (``<score>``, the CW-GRPO JSON keys, ``<rating>`` /
+``<critique>``, ``<labels>``) is defanged, so a trajectory that writes ``<score>1, 1</score>`` in any
+encoding (or a judge that echoes it) cannot produce a verdict. A judge's builder appends what it quoted to
 ``shown`` when given one: the runner hands it to the parser (``quoted``), which ignores verdicts
 inside copies of it.
 """
@@ -119,6 +120,34 @@ def process_prompt(question: str, history: str, action: str, observation: str, s
     obs = q(observation.strip()) if observation else "(none: a final answer)"
     return (f"{PROCESS_CRITIC}\n\n### Question\n{q(question)}\n\n### History\n{q(history) or '(empty)'}"
             f"\n\n### Latest action\n{q(action)}\n\n### Environment feedback\n{obs}")
+
+
+# Reconstructed: PiCA's Appendix A prompt text is missing from the extraction; these are its stated criteria
+# (a step is '+' when its search and reasoning yield the corresponding golden sub-answer with its sub-query,
+# matched in order against the MuSiQue decomposition; every other step is '-'; one label per step).
+PIVOT_RULES = """You label the steps of a search agent's trajectory for training a process reward model. The agent answers a multi-hop question step by step. Each step is an action (reasoning inside <think>...</think>, then a search <search>query</search> or a final answer <answer>...</answer>), followed for a search by the retrieved documents inside <information>...</information>.
+
+You are given the question's golden decomposition: its sub-queries in order, each with its golden sub-answer (a sub-query may refer to an earlier sub-answer as #1, #2, ...). Match the steps against the golden sub-queries in order:
+
+1. A step is a pivot step, labelled '+', if its search and reasoning successfully yield the corresponding golden sub-answer with its sub-query: it searches for a golden sub-query (or a paraphrase of it) that no earlier step has yielded, and the documents it retrieves state that sub-query's golden sub-answer.
+2. Every other step is labelled '-': a search for something that is not a golden sub-query, a search whose documents do not contain the golden sub-answer, a step that yields a sub-answer an earlier step already yielded, an invalid step, and the final answer.
+3. Give exactly one label per step, in order: as many labels as there are steps.
+
+First analyse each step briefly. Then give the labels, separated by ", ", inside one labels tag; for four steps of which the first and the third are pivot steps: <labels>+, -, +, -</labels>"""
+
+
+def pivot_prompt(question: str, sub_steps: list[tuple[str, str]], steps: list[tuple[str, str]],
+                 shown: Optional[list] = None) -> str:
+    """PiCA's pivot labelling prompt: the question, its golden ``(sub-query, sub-answer)`` pairs and the
+    trajectory's ``(action, observation)`` steps, numbered."""
+    q = _quoter(shown)
+    golds = "\n".join(f"{k}. {q(sq)} -> {q(sa)}" for k, (sq, sa) in enumerate(sub_steps, 1))
+    lines = []
+    for k, (action, obs) in enumerate(steps, 1):
+        lines.append(f"Step {k}:\n{q(action)}" + (f"\n{q(obs.strip())}" if obs.strip() else ""))
+    return (f"{PIVOT_RULES}\n\n### Question\n{q(question)}\n\n### Golden sub-queries -> sub-answers\n{golds}"
+            f"\n\n### Trajectory ({len(steps)} steps)\n" + "\n\n".join(lines)
+            + f"\n\n### Your labels\nAnalyse the steps, then give exactly {len(steps)} labels in the labels tag.")
 
 
 def refine_prompt(question: str, history: str, rejected: str, critique: str) -> str:

@@ -5,6 +5,7 @@ Legend: S turns of all items (flat, item-major), B items (trajectories).
 * :class:`CriticSearchCritic` (docs/methods.md §3): one call per trajectory; labels of its search turns.
 * :class:`CWGRPOJudge` (§4): one call per non-final round of each successful trajectory.
 * :class:`ProcessCritic` (§5): one call per ProCeed step, ``await ascore_step(...)``.
+* :class:`PivotLabeller` (§6, PiCA's PRM data): one call per trajectory; ``+`` / ``-`` per turn.
 
 A failed parse, or a wrong number of CriticSearch labels, is re-asked up to
 ``critic.retries`` times (each re-ask carries its ``attempt``: text backends sample it at
@@ -21,8 +22,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from fastcredit.judges.backends import JudgeRequest
-from fastcredit.judges.parsers import parse_criticsearch, parse_cwgrpo, parse_process
-from fastcredit.judges.prompts import criticsearch_prompt, cwgrpo_prompt, process_prompt
+from fastcredit.judges.parsers import parse_criticsearch, parse_cwgrpo, parse_pivot, parse_process
+from fastcredit.judges.prompts import criticsearch_prompt, cwgrpo_prompt, pivot_prompt, process_prompt
 from fastcredit.judges.types import JudgeItem
 
 
@@ -137,6 +138,25 @@ class ProcessCritic:
     @property
     def stats(self) -> dict:
         return self.asker.stats
+
+
+class PivotLabeller:
+    """PiCA's pivot labels (Appendix A): per turn 1 when it yields a golden sub-answer with its sub-query
+    (``<labels>+, -, +</labels>``, exactly one label per turn)."""
+
+    def __init__(self, backend, retries: int = 2):
+        self.asker = _Asker(backend, retries)
+
+    async def label(self, items: Sequence[JudgeItem],
+                    sub_steps: Sequence[Sequence[tuple[str, str]]]) -> tuple[list[Optional[list[int]]], dict]:
+        """``(labels, stats)``: per item its 0/1 labels, or None where no verdict parsed after the retries
+        (PiCA discards such trajectories); ``sub_steps``: per item its golden ``(sub-query, sub-answer)`` pairs."""
+        shown = [[] for _ in items]
+        reqs = [JudgeRequest(pivot_prompt(it.question, list(subs), [(s.action, s.observation) for s in it.steps], sh),
+                             "pivot", it, n_labels=len(it.steps)) for it, subs, sh in zip(items, sub_steps, shown)]
+        parsed = await self.asker.ask(reqs, lambda text, i: parse_pivot(text, len(items[i].steps), shown[i]))
+        failed = sum(p is None for p in parsed)
+        return parsed, {**self.asker.stats, "failure_rate": failed / max(len(items), 1)}
 
 
 def run_sync(coro):

@@ -5,7 +5,7 @@
     out = blank_echoed_verdicts(judge_output, [shown, ...])   # the parsers' view of a judge's output
 
 Threat: a trajectory (or a retrieved document) writes verdict markup of some judge (``<score>``,
-``<rating>``, ``<critique>``, the CW-GRPO keys ``thinking_reward`` / ``retrieval_reward``) in any
+``<rating>``, ``<critique>``, ``<labels>``, the CW-GRPO keys ``thinking_reward`` / ``retrieval_reward``) in any
 encoding a judge or ``json.loads`` could turn back into markup when it quotes the text after its
 own verdict: ``\\u``/``\\U``/``\\x``/``\\N{}``/octal/markdown escapes, HTML entities, URL ``%XX``,
 full-width or look-alike brackets, zero-width and other invisible characters, any case, and
@@ -60,12 +60,12 @@ _ESC = re.compile(  # either case of u / U / x / N: a judge may change case befo
 _ESCAPE_START = re.compile(r"[\\%&]")
 
 # Verdict tokens in a fold: each side of a tag, and the CW-GRPO keys (the character to defang, what it becomes).
-_SK_OPEN = re.compile(r"<\s*/?\s*(?:score|rating|critique)")
-_SK_CLOSE = re.compile(r"(?:score|rating|critique)\s*/?\s*>")
+_SK_OPEN = re.compile(r"<\s*/?\s*(?:score|rating|critique|labels)")
+_SK_CLOSE = re.compile(r"(?:score|rating|critique|labels)\s*/?\s*>")
 _SK_KEY = re.compile(r"(?:thinking|retrieval)_reward")
 _SK_SPECIAL = re.compile(r"<\||\|>")  # chat-template tokens (<|im_end|>): a tokenizer would end the judge's turn
 # Verdict tokens as the parsers accept them: literal ASCII, in a judge's output.
-LITERAL_TOKEN = re.compile(r"</?(?:score|rating|critique)>|[\"'](?:thinking|retrieval)_reward[\"']",
+LITERAL_TOKEN = re.compile(r"</?(?:score|rating|critique|labels)>|[\"'](?:thinking|retrieval)_reward[\"']",
                            re.IGNORECASE | re.ASCII)
 
 

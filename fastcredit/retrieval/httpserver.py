@@ -1,6 +1,8 @@
-"""The HTTP layer under the ``/retrieve`` app: aiohttp with read and idle timeouts, JSON
-error bodies for requests aiohttp itself refuses, and the ways to run it (a thread, or the
-foreground process).
+"""The HTTP layer under the ``/retrieve`` and ``/get_reward`` apps (``fastcredit.retrieval.serve``,
+``fastcredit.prm.serve``): aiohttp with read and idle timeouts, JSON error bodies for requests
+aiohttp itself refuses, request-body and JSON helpers that turn bad input into a
+:class:`RequestError` (a 4xx for that request alone), and the ways to run an app (a thread,
+or the foreground process).
 
     with ServerThread(make_app(...)) as url: ...          # tests, benchmarks, inside a trainer
     serve_forever(make_app(...), "127.0.0.1", 8000)      # python -m fastcredit.retrieval.serve
@@ -35,6 +37,83 @@ class Timeouts:
 
 
 TIMEOUTS = web.AppKey("timeouts", Timeouts)
+MAX_INT_DIGITS = 18  # any JSON integer longer is refused before Python converts it
+
+
+class RequestError(ValueError):
+    """Bad input of one request: answered with ``status`` (4xx) and ``{"error": message}``."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def value_type(v) -> str:
+    """A JSON value's type for an error message."""
+    return "null" if v is None else type(v).__name__
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise RequestError(400, f"a JSON integer has {len(text.lstrip('-'))} digits; at most {MAX_INT_DIGITS}")
+    return int(text)
+
+
+def _parse_constant(name: str):
+    raise RequestError(400, f"{name} is not valid JSON")
+
+
+def load_json(body: bytes):
+    """A request body parsed as strict JSON (UTF-8, no NaN, bounded integers), or RequestError (400)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(400, f"the body is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None
+    try:
+        return json.loads(text, parse_int=_parse_int, parse_constant=_parse_constant)
+    except RecursionError:
+        raise RequestError(400, "invalid JSON: nested too deeply") from None
+    except RequestError:
+        raise
+    except ValueError as exc:
+        raise RequestError(400, f"invalid JSON: {exc}") from None
+
+
+async def read_body(request: web.Request, max_body_bytes: int, timeout_s: float) -> bytes:
+    """The request body, or RequestError (408 slow, 413 too large, 415 compressed, 400 unreadable)."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise RequestError(415, f"Content-Encoding {encoding!r} is not supported; send the JSON body uncompressed")
+    if request.content_length is not None and request.content_length > max_body_bytes:
+        raise RequestError(413, f"request body over {max_body_bytes} bytes")
+    try:
+        return await asyncio.wait_for(request.read(), timeout_s)
+    except web.HTTPRequestEntityTooLarge:
+        raise RequestError(413, f"request body over {max_body_bytes} bytes") from None
+    except asyncio.TimeoutError:
+        raise RequestError(408, f"request body did not arrive within {timeout_s} s") from None
+    except Exception as exc:  # a broken chunked encoding, a reset connection: the client's side
+        raise RequestError(400, f"could not read the request body: {type(exc).__name__}: {exc}") from None
+
+
+def json_error(status: int, message: str, headers: Optional[dict] = None, close: bool = False) -> web.Response:
+    """``{"error": message}`` with ``status``; ``close``: the connection is closed after it."""
+    resp = web.json_response({"error": message}, status=status, headers=headers)
+    if close:
+        resp.force_close()
+    return resp
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler):
+    """aiohttp's own refusals (404 unknown path, 405 wrong method) with a JSON ``{"error"}`` body."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        return json_error(exc.status, f"{exc.reason}: {request.method} {request.path}", headers)
 
 
 def _raw_json_response(status: int, reason: str, message: str) -> bytes:
@@ -131,14 +210,16 @@ class TimedAppRunner(web.AppRunner):
 class ServerThread:
     """Run an app on its own event loop in a daemon thread (tests, benchmarks, embedding in a trainer).
 
-    ``with ServerThread(app) as url: ...`` — port 0 picks a free port; ``url`` ends in ``/retrieve``.
+    ``with ServerThread(app) as url: ...`` — port 0 picks a free port; ``url`` ends in ``path``; the
+    thread is called ``name``.
     """
 
-    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
-        self.app, self.host, self.port = app, host, port
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0, path: str = "/retrieve",
+                 name: str = "retrieval-server"):
+        self.app, self.host, self.port, self.path = app, host, port, path
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="retrieval-server")
+        self._thread = threading.Thread(target=self._serve, daemon=True, name=name)
         self._runner: Optional[web.AppRunner] = None
         self._error: Optional[BaseException] = None
 
@@ -159,13 +240,13 @@ class ServerThread:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/retrieve"
+        return f"http://{self.host}:{self.port}{self.path}"
 
     def start(self) -> str:
         self._thread.start()
         self._ready.wait(60)
         if self._error is not None:
-            raise RuntimeError(f"retrieval server failed to start on {self.host}:{self.port}: {self._error}")
+            raise RuntimeError(f"{self.path} server failed to start on {self.host}:{self.port}: {self._error}")
         return self.url
 
     def stop(self) -> None:

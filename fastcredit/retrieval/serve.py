@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
-import json
 import logging
 import sys
 from dataclasses import dataclass
@@ -37,17 +36,16 @@ from typing import Callable, Optional
 
 from aiohttp import web
 
-from fastcredit.batching import MicroBatcher, QueueFull
+from fastcredit.batching import ItemFailed, MicroBatcher, QueueFull, isolate_failures
 from fastcredit.cli import argparser
 from fastcredit.retrieval.cli import add_encoder_args
-from fastcredit.retrieval.httpserver import TIMEOUTS, ServerThread, Timeouts, serve_forever
+from fastcredit.retrieval.httpserver import (TIMEOUTS, RequestError, ServerThread, Timeouts, json_error,
+                                             json_errors, load_json, read_body, serve_forever, value_type)
 
 __all__ = ["ServerLimits", "RequestError", "parse_request", "retriever_batch_fn", "isolate_failures", "ItemFailed",
            "make_app", "ServerThread", "main"]
 
 log = logging.getLogger(__name__)
-
-MAX_INT_DIGITS = 18  # any JSON integer longer is refused before Python converts it
 
 
 @dataclass
@@ -79,44 +77,9 @@ class ServerLimits:
 BATCHER = web.AppKey("batcher", MicroBatcher)
 
 
-class RequestError(ValueError):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
-def _type(v) -> str:
-    return "null" if v is None else type(v).__name__
-
-
-def _parse_int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise RequestError(400, f"a JSON integer has {len(text.lstrip('-'))} digits; at most {MAX_INT_DIGITS}")
-    return int(text)
-
-
-def _parse_constant(name: str):
-    raise RequestError(400, f"{name} is not valid JSON")
-
-
-def _load_json(body: bytes):
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise RequestError(400, f"the body is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None
-    try:
-        return json.loads(text, parse_int=_parse_int, parse_constant=_parse_constant)
-    except RecursionError:
-        raise RequestError(400, "invalid JSON: nested too deeply") from None
-    except RequestError:
-        raise
-    except ValueError as exc:
-        raise RequestError(400, f"invalid JSON: {exc}") from None
-
-
 def _check_query(i: int, q, limits: ServerLimits) -> None:
     if not isinstance(q, str):
-        raise RequestError(400, f"'queries[{i}]' must be a string, got {_type(q)}")
+        raise RequestError(400, f"'queries[{i}]' must be a string, got {value_type(q)}")
     if len(q) > limits.max_query_chars:
         raise RequestError(413, f"'queries[{i}]' has {len(q)} characters; at most {limits.max_query_chars}")
     if not q.isascii():
@@ -131,28 +94,28 @@ def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], int, bo
     """Validate a ``/retrieve`` body → ``(queries, topk, return_scores)``; RequestError otherwise."""
     if not body.strip():
         raise RequestError(400, "empty request body; expected JSON {\"queries\": [...], \"topk\": k}")
-    req = _load_json(body)
+    req = load_json(body)
     if not isinstance(req, dict):
-        raise RequestError(400, f"the body must be a JSON object, got {_type(req)}")
+        raise RequestError(400, f"the body must be a JSON object, got {value_type(req)}")
     if "queries" not in req:
         raise RequestError(400, "missing field 'queries'")
     queries = req["queries"]
     if not isinstance(queries, list):
-        raise RequestError(400, f"'queries' must be a list of strings, got {_type(queries)}")
+        raise RequestError(400, f"'queries' must be a list of strings, got {value_type(queries)}")
     if len(queries) > limits.max_queries:
         raise RequestError(413, f"'queries' has {len(queries)} entries; at most {limits.max_queries} per request")
     for i, q in enumerate(queries):
         _check_query(i, q, limits)
     topk = req.get("topk")
     if isinstance(topk, bool) or not isinstance(topk, (int, type(None))):
-        raise RequestError(400, f"'topk' must be an integer, got {_type(topk)}")
+        raise RequestError(400, f"'topk' must be an integer, got {value_type(topk)}")
     if not topk:  # null or 0: the default, as Search-R1's server does (`if not request.topk`)
         topk = limits.default_topk
     elif not 1 <= topk <= limits.max_topk:
         raise RequestError(400, f"'topk'={topk} is out of range [1, {limits.max_topk}]")
     return_scores = req.get("return_scores", False)
     if not isinstance(return_scores, bool):
-        raise RequestError(400, f"'return_scores' must be true or false, got {_type(return_scores)}")
+        raise RequestError(400, f"'return_scores' must be true or false, got {value_type(return_scores)}")
     return queries, topk, return_scores
 
 
@@ -165,113 +128,36 @@ def retriever_batch_fn(retriever) -> Callable[[list], list]:
     return run
 
 
-class ItemFailed:
-    """The result of an item whose request could not be retrieved: ``exc`` says why."""
-    __slots__ = ("exc",)
-
-    def __init__(self, exc: BaseException):
-        self.exc = exc
-
-
-def isolate_failures(batch_fn: Callable[[list], list]) -> Callable[[list], list]:
-    """Items ``(request id, query, topk)`` → ``batch_fn``'s result per item, or :class:`ItemFailed`.
-
-    When ``batch_fn`` raises on the merged batch, the batch is retried in halves (a request's
-    items stay together) until each failure is pinned on the requests that cause it: one bad
-    request among n costs about ``2 log2 n`` extra calls, and every other request gets its results.
-    """
-    def solve(groups: list, out: list) -> None:
-        flat = [(q, t) for g in groups for _, q, t in g]
-        try:
-            results = batch_fn(flat)
-            if len(results) != len(flat):
-                raise RuntimeError(f"batch function returned {len(results)} results for {len(flat)} items")
-        except Exception as exc:  # a failed batch: find who fails, answer everyone else
-            if len(groups) == 1:
-                log.error("retrieval failed for one request (%d queries): %s: %s", len(flat), type(exc).__name__, exc,
-                          exc_info=exc)
-                out.extend([ItemFailed(exc)] * len(flat))
-                return
-            log.warning("a batch of %d requests failed (%s: %s); retrying in halves", len(groups),
-                        type(exc).__name__, exc)
-            solve(groups[:len(groups) // 2], out)
-            solve(groups[len(groups) // 2:], out)
-            return
-        out.extend(results)
-
-    def run(items: list) -> list:
-        out: list = []
-        solve([list(g) for _, g in itertools.groupby(items, key=lambda it: it[0])], out)
-        return out
-    return run
-
-
-def _error(status: int, message: str, headers: Optional[dict] = None, close: bool = False) -> web.Response:
-    resp = web.json_response({"error": message}, status=status, headers=headers)
-    if close:
-        resp.force_close()
-    return resp
-
-
-async def _read_body(request: web.Request, limits: ServerLimits) -> bytes:
-    """The request body, or RequestError (408 slow, 413 too large, 415 compressed, 400 unreadable)."""
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding not in ("", "identity"):
-        raise RequestError(415, f"Content-Encoding {encoding!r} is not supported; send the JSON body uncompressed")
-    if request.content_length is not None and request.content_length > limits.max_body_bytes:
-        raise RequestError(413, f"request body over {limits.max_body_bytes} bytes")
-    try:
-        return await asyncio.wait_for(request.read(), limits.body_timeout_s)
-    except web.HTTPRequestEntityTooLarge:
-        raise RequestError(413, f"request body over {limits.max_body_bytes} bytes") from None
-    except asyncio.TimeoutError:
-        raise RequestError(408, f"request body did not arrive within {limits.body_timeout_s} s") from None
-    except Exception as exc:  # a broken chunked encoding, a reset connection: the client's side
-        raise RequestError(400, f"could not read the request body: {type(exc).__name__}: {exc}") from None
-
-
-@web.middleware
-async def _json_errors(request: web.Request, handler):
-    """aiohttp's own refusals (404 unknown path, 405 wrong method) with a JSON ``{"error"}`` body."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
-        return _error(exc.status, f"{exc.reason}: {request.method} {request.path}", headers)
-
-
 def make_app(batch_fn: Callable[[list], list], limits: Optional[ServerLimits] = None,
              info: Optional[dict] = None) -> web.Application:
     """The aiohttp application; ``batch_fn`` as in :func:`retriever_batch_fn`."""
     limits = limits or ServerLimits()
     batcher = MicroBatcher(isolate_failures(batch_fn), limits.batch_size, limits.batch_timeout_ms, limits.max_queue)
-    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[_json_errors],
+    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[json_errors],
                           handler_args={"auto_decompress": False, "lingering_time": limits.linger_s})
     request_ids = itertools.count()
 
     async def retrieve(request: web.Request) -> web.Response:
         try:
-            body = await _read_body(request, limits)
+            body = await read_body(request, limits.max_body_bytes, limits.body_timeout_s)
             queries, topk, return_scores = parse_request(body, limits)
         except RequestError as exc:  # an unread or slow body leaves the connection unusable: close it
-            return _error(exc.status, exc.message, close=not request.content.is_eof())
+            return json_error(exc.status, exc.message, close=not request.content.is_eof())
         if not queries:
             return web.json_response({"result": []})
         rid = next(request_ids)
         try:
             results = await asyncio.wait_for(batcher.submit([(rid, q, topk) for q in queries]), limits.timeout_s)
         except QueueFull as exc:
-            return _error(503, str(exc), {"Retry-After": "1"})
+            return json_error(503, str(exc), {"Retry-After": "1"})
         except asyncio.TimeoutError:
-            return _error(504, f"retrieval did not finish within {limits.timeout_s} s")
+            return json_error(504, f"retrieval did not finish within {limits.timeout_s} s")
         except Exception as exc:  # the batcher itself failed: answer, never kill the server
             log.exception("retrieval batch failed")
-            return _error(500, f"retrieval failed: {type(exc).__name__}: {exc}")
+            return json_error(500, f"retrieval failed: {type(exc).__name__}: {exc}")
         failed = next((r for r in results if isinstance(r, ItemFailed)), None)
         if failed is not None:
-            return _error(500, f"retrieval failed: {type(failed.exc).__name__}: {failed.exc}")
+            return json_error(500, f"retrieval failed: {type(failed.exc).__name__}: {failed.exc}")
         if return_scores:
             payload = [[{"document": d, "score": s} for d, s in r] for r in results]
         else:

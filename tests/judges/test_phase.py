@@ -46,7 +46,7 @@ def test_the_judge_phase_builds_the_declared_judge(grpo_needs):
     assert build_judge_phase(cfg, backend, policy_engine=None).critic is not None
     grpo_needs(judge="prm")
     cfg.judges.prm = "some/folder"
-    with pytest.raises(ValueError, match="judges.prm='some/folder'"):
+    with pytest.raises(ValueError, match="judges.prm=some/folder: no such folder"):
         build_judge_phase(cfg, backend, policy_engine=None)
     assert build_proceed_hook(cfg, backend, None, None) is None
 

@@ -1,0 +1,1 @@
+"""PiCA's process reward model: labelled data, the model and its loss, training, the scorer and its server."""
