@@ -127,12 +127,13 @@ class PRMTrainConfig:
         """The local files and folders the config names exist (a ConfigPathError naming the key), before a
         library takes a missing folder for a Hugging Face hub id; ``data``: the data files too."""
         m, d = self.model, self.data
-        for key, path, what in (("model.backbone", None if m.backbone == "tiny" else m.backbone,
-                                 "a local Hugging Face causal-LM folder, or tiny"),
-                                ("model.tokenizer", m.tokenizer, "a local tokenizer folder, or null: the backbone's"),
-                                ("data.train_path", d.train_path if data else None, "python -m fastcredit.prm.label writes labelled "
-                                                                  "trajectories"),
-                                ("data.test_path", d.test_path if data else None, "or null: hold out data.test_fraction")):
+        for key, path, what in (
+                ("model.backbone", None if m.backbone == "tiny" else m.backbone,
+                 "a local Hugging Face causal-LM folder, or tiny"),
+                ("model.tokenizer", m.tokenizer, "a local tokenizer folder, or null: the backbone's"),
+                ("data.train_path", d.train_path if data else None,
+                 "python -m fastcredit.prm.label writes labelled trajectories"),
+                ("data.test_path", d.test_path if data else None, "or null: hold out data.test_fraction")):
             if path is not None and not os.path.exists(path):
                 raise ConfigPathError(f"{key}: {path} does not exist ({what})")
 

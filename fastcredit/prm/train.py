@@ -39,9 +39,14 @@ from tqdm import tqdm
 from fastcredit.checkpoint import resume_checkpoint, save_checkpoint
 from fastcredit.cli import describe, format_usage, help_request
 from fastcredit.config import ConfigError, all_keys, load_config, parse_cli, save_config, to_dict
+from fastcredit.components import _built_from, _mark_built, _wait_for
 from fastcredit.data.loaders import DataError
+from fastcredit.data.tokenizer import build_tiny_tokenizer
+from fastcredit.distributed.build import build_train_engine, compute_dtype
+from fastcredit.distributed.engine import adamw
 from fastcredit.distributed.process_group import all_reduce_sum, init_distributed, max_over_ranks, shutdown
 from fastcredit.export import DTYPES, ExportError, _name_deepspeed_accelerator, find_checkpoint
+from fastcredit.models.tiny import build_tiny_policy
 from fastcredit.prm.config import PRMTrainConfig
 from fastcredit.prm.data import LabelledTrajectory, PRMEncoder, pack, read_labelled, require_placeholder, \
     token_budget_groups
@@ -91,6 +96,12 @@ def eval_metrics(z_P: torch.Tensor, cu_P: torch.Tensor, outcome_B: torch.Tensor,
             "eval/trajectories": float(outcome_B.numel())}
 
 
+def eval_line(m: dict) -> str:
+    return (f"held-out AUC {m['eval/auc']:.3f} · loss {m['eval/loss']:.4f} · log-gain at pivots "
+            f"{m['eval/pivot_gain']:+.3f}, elsewhere {m['eval/nonpivot_gain']:+.3f} · pivot AUC "
+            f"{m['eval/pivot_auc']:.3f} · f(0) {m['eval/f0_mean']:.3f}")
+
+
 def split_by_question(rows: list, fraction: float, seed: int) -> tuple[list, list]:
     """``(train, test)``: ``fraction`` of the distinct questions (seeded) and all their rows held out."""
     questions = sorted({r.question for r in rows})
@@ -121,8 +132,6 @@ def load_prm_tokenizer(cfg: PRMTrainConfig, out_dir: str, rows: Optional[Sequenc
     m = cfg.model
     if m.backbone != "tiny" or m.tokenizer:
         return AutoTokenizer.from_pretrained(m.tokenizer or m.backbone, local_files_only=True)
-    from fastcredit.components import _built_from, _mark_built, _wait_for
-
     folder = os.path.join(out_dir, "tokenizer")
     if rows is None:
         if not os.path.exists(os.path.join(folder, "tokenizer.json")):
@@ -132,8 +141,6 @@ def load_prm_tokenizer(cfg: PRMTrainConfig, out_dir: str, rows: Optional[Sequenc
     key = {"vocab": m.tiny_vocab, "train_path": os.path.abspath(cfg.data.train_path), "bytes": st.st_size,
            "mtime_ns": st.st_mtime_ns, "rows": len(rows)}
     if rank == 0 and not _built_from(folder, key):
-        from fastcredit.data.tokenizer import build_tiny_tokenizer
-
         build_tiny_tokenizer([r.question for r in rows] + [t for r in rows for t in r.turn_texts()], m.tiny_vocab,
                              folder)
         _mark_built(folder, key)
@@ -146,8 +153,6 @@ def build_backbone(cfg: PRMTrainConfig, tokenizer) -> torch.nn.Module:
     embeddings when the vocabulary is full)."""
     m = cfg.model
     if m.backbone == "tiny":
-        from fastcredit.models.tiny import build_tiny_policy
-
         if require_placeholder(tokenizer, cfg.prm.placeholder) is None:  # in the vocabulary the model is built for
             tokenizer.add_special_tokens({"additional_special_tokens": [cfg.prm.placeholder]})
         lm = build_tiny_policy(tokenizer, m.tiny_hidden, m.tiny_layers, m.tiny_heads, seed=cfg.seed,
@@ -165,9 +170,6 @@ class PRMTrainer:
     """One PRM run: the data encoded once, the model in its training engine, the loop, checkpoints, evaluation."""
 
     def __init__(self, cfg: PRMTrainConfig, info, train_rows: list, test_rows: list, resume: bool = False):
-        from fastcredit.distributed.build import build_train_engine, compute_dtype
-        from fastcredit.distributed.engine import adamw
-
         self.cfg, self.info = cfg, info
         self.out_dir, self.ckpt_dir = cfg.logging.output_dir, os.path.join(cfg.logging.output_dir, "checkpoints")
         if info.is_main:
@@ -238,8 +240,7 @@ class PRMTrainer:
         lr = o.lr * lr_factor(self.step, self.total_steps, o.warmup_ratio, o.schedule)
         self.engine.set_lr(lr)
         self.engine.zero_grad()
-        # each rank's loss is scaled by W / N: the ranks' averaged gradient is the global batch's mean
-        norm = info.world_size / len(idx)
+        norm = info.world_size / len(idx)  # each rank's loss x W / N: the ranks' mean gradient is the batch's
         sums = torch.zeros(3, dtype=torch.float64, device=info.device)  # Σ loss, Σ L_final, Σ L_gold
         for mb, scale in self._micro_batches(self.train_seqs, idx[info.rank::info.world_size], idx[:1]):
             x, cu_P, outcome_B, pivot_P = self._inputs(self.train_rows, self.train_seqs, mb)
@@ -312,12 +313,6 @@ class PRMTrainer:
                 f"gold {m['loss_gold']:.4f}) · |g| {m['grad_norm']:.3f} · lr {m['lr']:.2e} · "
                 f"{m['trajectories_per_s']:.1f} traj/s · {m['tokens_per_s']:.0f} tok/s")
 
-    @staticmethod
-    def eval_line(m: dict) -> str:
-        return (f"held-out AUC {m['eval/auc']:.3f} · loss {m['eval/loss']:.4f} · log-gain at pivots "
-                f"{m['eval/pivot_gain']:+.3f}, elsewhere {m['eval/nonpivot_gain']:+.3f} · pivot AUC "
-                f"{m['eval/pivot_auc']:.3f} · f(0) {m['eval/f0_mean']:.3f}")
-
     def fit(self) -> dict:
         """Train to the last step (checkpoints, evaluations), then the final evaluation; returns its metrics."""
         cfg = self.cfg
@@ -331,7 +326,7 @@ class PRMTrainer:
                 scores, _ = self.evaluate()
                 m.update(scores)
                 if scores:
-                    self.say(f"step {self.step}: {self.eval_line(scores)}")
+                    self.say(f"step {self.step}: {eval_line(scores)}")
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.4f}")
             self.logger.log(self.step, m, console=False)
@@ -344,7 +339,7 @@ class PRMTrainer:
         final, z_P = self.evaluate()
         if final:
             self.logger.log(self.step, final, console=False)
-            self.say(f"after {self.step} steps: {self.eval_line(final)}")
+            self.say(f"after {self.step} steps: {eval_line(final)}")
         if self.info.is_main:
             self._write_eval(final, z_P, time.perf_counter() - t0)
         return final
@@ -478,7 +473,12 @@ def main(argv: Optional[list] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     info = init_distributed(cfg.distributed.backend, cfg.distributed.shard_size)
-    trainer, code = PRMTrainer(cfg, info, train_rows, test_rows, resume), 0
+    try:
+        trainer, code = PRMTrainer(cfg, info, train_rows, test_rows, resume), 0
+    except ValueError as exc:  # ConfigError: a checkpoint of other data; a trajectory past data.max_tokens
+        print(f"error: {exc}", file=sys.stderr)
+        shutdown(info, 2)
+        return 2
     try:
         trainer.fit()
         if info.is_main:
