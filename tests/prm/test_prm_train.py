@@ -315,6 +315,15 @@ def test_a_killed_run_resumes_to_the_same_numbers(toy, trained, tmp_path):
     assert fb == pytest.approx(fa, rel=1e-6, abs=1e-9)
 
 
+def test_resuming_on_other_data_exits_2(toy, trained, tmp_path):
+    import shutil
+
+    b = str(tmp_path / "b")
+    shutil.copytree(trained[0], b)
+    proc = train(toy, b, "optim.batch_size=8", "--resume", check=False)
+    assert proc.returncode == 2 and "was trained on" in proc.stderr and "optim.batch_size" in proc.stderr, proc.stderr
+
+
 def test_two_ranks_train_as_one(toy, trained, tmp_path):
     """torchrun with 2 gloo ranks (FSDP2; each rank its half of every batch, dummy micro-batches where a rank has
     fewer) until the kill at the first save (step 10): the one-process run's losses and gradient norms (every
