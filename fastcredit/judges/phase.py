@@ -124,9 +124,8 @@ class JudgePhase:
             extras.update(prm_f0_B=f0, prm_f_S=f, prm_hazard_S=h)
             metrics.update({f"prm/{k}": float(v) for k, v in getattr(self.prm_scorer, "take_stats", dict)().items()})
             if len(f):
-                metrics.update({"prm/f0_mean": float(f0.mean()), "prm/f_last_mean": float(
-                    torch.stack([f[int(e) - 1] for e in torch.cumsum(torch.tensor([len(x.steps) for x in
-                                                                                     result.episodes]), 0)]).mean())})
+                last = torch.cumsum(torch.tensor([len(e.steps) for e in result.episodes]), 0) - 1
+                metrics.update({"prm/f0_mean": float(f0.mean()), "prm/f_last_mean": float(f[last].mean())})
         return extras, metrics
 
 

@@ -169,12 +169,9 @@ class PiCARewardClient:
                     task.cancel()
 
     def _delay(self, attempt: int, retry_after: Optional[str]) -> float:
-        if retry_after:
-            try:
-                return min(self.max_backoff_s, float(retry_after))
-            except ValueError:
-                pass
-        return self._rng.uniform(0, min(self.max_backoff_s, self.backoff_s * 2 ** attempt))  # full jitter
+        from fastcredit.retrieval.client import retry_delay
+
+        return retry_delay(self._rng, attempt, retry_after, self.backoff_s, self.max_backoff_s)
 
     async def _post(self, session, sem, text: str) -> list:
         import aiohttp

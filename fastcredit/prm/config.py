@@ -16,6 +16,7 @@ from typing import Literal, Mapping, Optional
 
 from fastcredit.config import DistributedConfig, LoggingConfig
 from fastcredit.config_checks import COUNT, NONNEG, POS, ConfigError, ConfigPathError, Range, _get, numeric_keys
+from fastcredit.config_checks import RANGES as TRAIN_RANGES
 from fastcredit.fields import opt
 
 
@@ -138,29 +139,19 @@ class PRMTrainConfig:
                 raise ConfigPathError(f"{key}: {path} does not exist ({what})")
 
 
+# Keys the RL trainer's config shares with this one keep its ranges (fastcredit.config_checks.RANGES).
+_SHARED = ("seed", "model.tiny_hidden", "model.tiny_layers", "model.tiny_heads", "model.tiny_vocab", "optim.lr",
+           "optim.weight_decay", "optim.betas", "optim.warmup_ratio", "optim.grad_clip", "optim.micro_batch_tokens",
+           "distributed.shard_size", "logging.log_every", "logging.checkpoint_every", "logging.keep_checkpoints")
 RANGES: dict[str, Range] = {
-    "seed": Range("[0, 4294967296)", "numpy seeds are 32-bit"),
-    "model.tiny_hidden": Range(COUNT),
-    "model.tiny_layers": Range(COUNT),
-    "model.tiny_heads": Range(COUNT),
-    "model.tiny_vocab": Range("[300, inf)", "256 bytes and the agent tags"),
+    **{key: TRAIN_RANGES[key] for key in _SHARED},
     "data.test_fraction": Range("[0, 1)", "0: no held-out split"),
     "data.max_tokens": Range("[2, inf)", "a question and one turn, with their placeholders"),
     "prm.lambda_g": Range(NONNEG, "0: L_final alone"),
     "prm.tau_g": Range(POS),
-    "optim.lr": Range(POS),
-    "optim.weight_decay": Range(NONNEG),
-    "optim.betas": Range("[0, 1)", "each of the two"),
-    "optim.warmup_ratio": Range("[0, 1)"),
-    "optim.grad_clip": Range("(0, inf]", "inf: no clipping"),
     "optim.epochs": Range(COUNT),
     "optim.max_steps": Range(NONNEG, "0: optim.epochs decide"),
     "optim.batch_size": Range(COUNT),
-    "optim.micro_batch_tokens": Range(COUNT),
     "eval.every": Range(NONNEG, "0: only at the end"),
     "eval.max_trajectories": Range(NONNEG, "0: all"),
-    "distributed.shard_size": Range(COUNT, "-1: all ranks", also=(-1,)),
-    "logging.log_every": Range(COUNT),
-    "logging.checkpoint_every": Range(NONNEG, "0: only at the end"),
-    "logging.keep_checkpoints": Range(NONNEG, "0: all"),
 }

@@ -54,8 +54,8 @@ from aiohttp import web
 
 from fastcredit.batching import ItemFailed, MicroBatcher, QueueFull, isolate_failures
 from fastcredit.cli import argparser
-from fastcredit.retrieval.httpserver import (TIMEOUTS, RequestError, ServerThread, Timeouts, json_error, json_errors,
-                                             load_json, read_body, serve_forever, value_type)
+from fastcredit.retrieval.httpserver import (TIMEOUTS, RequestError, ServerThread, Timeouts, check_positive, json_error,
+                                             json_errors, read_body, serve_forever, text_list)
 
 log = logging.getLogger(__name__)
 
@@ -80,47 +80,21 @@ class RewardServerLimits:
     linger_s: float = 2.0            # a refused, unread body is drained this long before closing
 
     def __post_init__(self):
-        bad = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-               if not isinstance(getattr(self, f.name), (int, float)) or not getattr(self, f.name) > 0]
-        if bad:
-            raise ValueError(f"server limits must be positive numbers: {', '.join(bad)}")
+        check_positive(self)
 
 
 BATCHER = web.AppKey("prm_batcher", MicroBatcher)
 
 
-def _check_text(i: int, q, limits: RewardServerLimits, special: str) -> None:
-    if not isinstance(q, str):
-        raise RequestError(400, f"'query[{i}]' must be a string, got {value_type(q)}")
-    if len(q) > limits.max_query_chars:
-        raise RequestError(413, f"'query[{i}]' has {len(q)} characters; at most {limits.max_query_chars}")
-    if not q.isascii():
-        try:
-            q.encode("utf-8")
-        except UnicodeEncodeError as exc:  # json.loads accepts "\ud800"; no tokenizer does
-            raise RequestError(400, f"'query[{i}]' is not valid Unicode: a lone surrogate "
-                                    f"U+{ord(q[exc.start]):04X} at character {exc.start}") from None
-    n = q.count(special)
-    if n > limits.max_placeholders:
-        raise RequestError(413, f"'query[{i}]' has {n} special tokens {special!r}; at most {limits.max_placeholders}")
-
-
 def parse_request(body: bytes, limits: RewardServerLimits, special: str) -> list[str]:
     """Validate a ``/get_reward`` body → its texts; RequestError otherwise."""
-    if not body.strip():
-        raise RequestError(400, "empty request body; expected JSON {\"query\": [text, ...], \"prompts\": [...]}")
-    req = load_json(body)
-    if not isinstance(req, dict):
-        raise RequestError(400, f"the body must be a JSON object, got {value_type(req)}")
-    if "query" not in req:
-        raise RequestError(400, "missing field 'query' (a list of texts)")
-    texts = req["query"]
-    if not isinstance(texts, list):
-        raise RequestError(400, f"'query' must be a list of strings, got {value_type(texts)}")
-    if len(texts) > limits.max_queries:
-        raise RequestError(413, f"'query' has {len(texts)} texts; at most {limits.max_queries} per request")
+    _, texts = text_list(body, "query", limits.max_queries, limits.max_query_chars,
+                         '{"query": [text, ...], "prompts": [...]}')
     for i, q in enumerate(texts):
-        _check_text(i, q, limits, special)
+        n = q.count(special)
+        if n > limits.max_placeholders:
+            raise RequestError(413, f"'query[{i}]' has {n} special tokens {special!r}; at most "
+                                    f"{limits.max_placeholders}")
     return texts
 
 

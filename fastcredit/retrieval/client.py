@@ -43,6 +43,18 @@ def _message(body: bytes) -> str:
         return body[:200].decode("utf-8", "replace")
 
 
+def retry_delay(rng: random.Random, attempt: int, retry_after: Optional[str], backoff_s: float,
+                max_backoff_s: float) -> float:
+    """Seconds before retry ``attempt`` (0-based): the server's Retry-After when it sent one, else exponential
+    backoff with full jitter (clients that failed together do not retry together), capped at ``max_backoff_s``."""
+    if retry_after:
+        try:
+            return min(max_backoff_s, float(retry_after))
+        except ValueError:
+            pass
+    return rng.uniform(0, min(max_backoff_s, backoff_s * 2 ** attempt))
+
+
 class RetrievalClient:
     """Sync (stdlib) and async (aiohttp) calls to one ``/retrieve`` URL."""
 
@@ -53,13 +65,7 @@ class RetrievalClient:
         self._rng = random.Random(seed)
 
     def _delay(self, attempt: int, retry_after: Optional[str]) -> float:
-        if retry_after:
-            try:
-                return min(self.max_backoff_s, float(retry_after))
-            except ValueError:
-                pass
-        # Full jitter: concurrent clients that failed together do not retry together.
-        return self._rng.uniform(0, min(self.max_backoff_s, self.backoff_s * 2 ** attempt))
+        return retry_delay(self._rng, attempt, retry_after, self.backoff_s, self.max_backoff_s)
 
     @staticmethod
     def payload(queries: Sequence[str], topk: int, return_scores: bool) -> bytes:

@@ -79,6 +79,46 @@ def load_json(body: bytes):
         raise RequestError(400, f"invalid JSON: {exc}") from None
 
 
+def check_positive(limits) -> None:
+    """Every field of a limits dataclass a positive number (ValueError naming the others)."""
+    import dataclasses
+
+    bad = [f"{f.name}={getattr(limits, f.name)!r}" for f in dataclasses.fields(limits)
+           if not isinstance(getattr(limits, f.name), (int, float)) or not getattr(limits, f.name) > 0]
+    if bad:
+        raise ValueError(f"server limits must be positive numbers: {', '.join(bad)}")
+
+
+def text_list(body: bytes, key: str, max_items: int, max_chars: int, expected: str) -> tuple[dict, list]:
+    """``(request object, its list of strings under key)``: the body a JSON object (``expected`` shows its shape
+    in the error), the list at most ``max_items`` long, each string at most ``max_chars`` characters of valid
+    Unicode; RequestError (400 / 413) naming the field otherwise."""
+    if not body.strip():
+        raise RequestError(400, f"empty request body; expected JSON {expected}")
+    req = load_json(body)
+    if not isinstance(req, dict):
+        raise RequestError(400, f"the body must be a JSON object, got {value_type(req)}")
+    if key not in req:
+        raise RequestError(400, f"missing field {key!r} (a list of strings)")
+    items = req[key]
+    if not isinstance(items, list):
+        raise RequestError(400, f"{key!r} must be a list of strings, got {value_type(items)}")
+    if len(items) > max_items:
+        raise RequestError(413, f"{key!r} has {len(items)} entries; at most {max_items} per request")
+    for i, q in enumerate(items):
+        if not isinstance(q, str):
+            raise RequestError(400, f"'{key}[{i}]' must be a string, got {value_type(q)}")
+        if len(q) > max_chars:
+            raise RequestError(413, f"'{key}[{i}]' has {len(q)} characters; at most {max_chars}")
+        if not q.isascii():
+            try:
+                q.encode("utf-8")
+            except UnicodeEncodeError as exc:  # json.loads accepts "\ud800"; no tokenizer does
+                raise RequestError(400, f"'{key}[{i}]' is not valid Unicode: a lone surrogate "
+                                        f"U+{ord(q[exc.start]):04X} at character {exc.start}") from None
+    return req, items
+
+
 async def read_body(request: web.Request, max_body_bytes: int, timeout_s: float) -> bytes:
     """The request body, or RequestError (408 slow, 413 too large, 415 compressed, 400 unreadable)."""
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()

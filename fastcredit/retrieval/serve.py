@@ -39,8 +39,8 @@ from aiohttp import web
 from fastcredit.batching import ItemFailed, MicroBatcher, QueueFull, isolate_failures
 from fastcredit.cli import argparser
 from fastcredit.retrieval.cli import add_encoder_args
-from fastcredit.retrieval.httpserver import (TIMEOUTS, RequestError, ServerThread, Timeouts, json_error,
-                                             json_errors, load_json, read_body, serve_forever, value_type)
+from fastcredit.retrieval.httpserver import (TIMEOUTS, RequestError, ServerThread, Timeouts, check_positive, json_error,
+                                             json_errors, read_body, serve_forever, text_list, value_type)
 
 __all__ = ["ServerLimits", "RequestError", "parse_request", "retriever_batch_fn", "isolate_failures", "ItemFailed",
            "make_app", "ServerThread", "main"]
@@ -68,44 +68,16 @@ class ServerLimits:
     linger_s: float = 2.0
 
     def __post_init__(self):
-        bad = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-               if not isinstance(getattr(self, f.name), (int, float)) or not getattr(self, f.name) > 0]
-        if bad:
-            raise ValueError(f"server limits must be positive numbers: {', '.join(bad)}")
+        check_positive(self)
 
 
 BATCHER = web.AppKey("batcher", MicroBatcher)
 
 
-def _check_query(i: int, q, limits: ServerLimits) -> None:
-    if not isinstance(q, str):
-        raise RequestError(400, f"'queries[{i}]' must be a string, got {value_type(q)}")
-    if len(q) > limits.max_query_chars:
-        raise RequestError(413, f"'queries[{i}]' has {len(q)} characters; at most {limits.max_query_chars}")
-    if not q.isascii():
-        try:
-            q.encode("utf-8")
-        except UnicodeEncodeError as exc:  # json.loads accepts "\ud800"; no tokenizer does
-            raise RequestError(400, f"'queries[{i}]' is not valid Unicode: a lone surrogate "
-                                    f"U+{ord(q[exc.start]):04X} at character {exc.start}") from None
-
-
 def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], int, bool]:
     """Validate a ``/retrieve`` body → ``(queries, topk, return_scores)``; RequestError otherwise."""
-    if not body.strip():
-        raise RequestError(400, "empty request body; expected JSON {\"queries\": [...], \"topk\": k}")
-    req = load_json(body)
-    if not isinstance(req, dict):
-        raise RequestError(400, f"the body must be a JSON object, got {value_type(req)}")
-    if "queries" not in req:
-        raise RequestError(400, "missing field 'queries'")
-    queries = req["queries"]
-    if not isinstance(queries, list):
-        raise RequestError(400, f"'queries' must be a list of strings, got {value_type(queries)}")
-    if len(queries) > limits.max_queries:
-        raise RequestError(413, f"'queries' has {len(queries)} entries; at most {limits.max_queries} per request")
-    for i, q in enumerate(queries):
-        _check_query(i, q, limits)
+    req, queries = text_list(body, "queries", limits.max_queries, limits.max_query_chars,
+                             '{"queries": [...], "topk": k}')
     topk = req.get("topk")
     if isinstance(topk, bool) or not isinstance(topk, (int, type(None))):
         raise RequestError(400, f"'topk' must be an integer, got {value_type(topk)}")
