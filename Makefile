@@ -7,6 +7,9 @@ PY     := $(VENV)/bin/python
 STACK  ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP  := $(VENV)/.installed-$(STACK)
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (0: one process); each test file stays on one worker (module fixtures are
+# built once), and each worker runs torch with one thread (tests/conftest.py).
+PYTEST_JOBS ?= 2
 
 export TRITON_INTERPRET := $(if $(filter cpu,$(STACK)),1,$(TRITON_INTERPRET))
 export HF_HUB_OFFLINE := 1
@@ -43,7 +46,7 @@ demo: env
 	$(PY) -m fastcredit.train
 
 test: env
-	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -n $(PYTEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 bench: env
 	$(PY) -m pytest bench --benchmark-only -q

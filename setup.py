@@ -50,7 +50,7 @@ EXTRAS = {
     # Separate because PyPI has only its source: building it needs nvcc and about an hour.
     "flash": ["flash-attn==2.8.3.post2"],
     # fastapi, uvicorn, requests: bench/bench_retrieval.py rebuilds Search-R1's server and client
-    "dev": ["pytest>=8", "pytest-benchmark>=4", "hypothesis>=6.100", "tensorboard>=2.15", "fastapi>=0.110", "uvicorn>=0.29",
+    "dev": ["pytest>=8", "pytest-xdist>=3.5", "pytest-benchmark>=4", "hypothesis>=6.100", "tensorboard>=2.15", "fastapi>=0.110", "uvicorn>=0.29",
             "requests>=2.31",
             "sentence-transformers>=3"],  # the reference MiniLM encoder the tests compare against
 }
