@@ -3,7 +3,7 @@
 #
 # Stages, each under `timeout`, each writing into OUTDIR as it goes (a stage that times out
 # loses nothing written before it): env -> build the CUDA extension -> GPU tests and the kernel
-# tests compiled -> kernel benchmarks and targets -> three trainer steps -> the async-vs-lockstep rollout bench -> an nsys profile ->
+# tests compiled -> kernel benchmarks and targets -> three trainer steps -> the async-vs-lockstep rollout bench -> a step against the Search-R1 design -> an nsys profile ->
 # summary.md. Exit status 1 when any stage or target fails. Wheels placed in bench/wheels/ (or
 # $GPU_CHECK_WHEELS) are installed first with --no-deps (liger-kernel, nvtx, ... on a bare image).
 # GPU_CHECK_STAGES="kernels train" runs only those stages into the same OUTDIR (the summary reads
@@ -26,7 +26,7 @@ record() {  # stage status reason
   echo "[gpu-check] $1: $2${3:+ ($3)}"
 }
 export -f record
-want() { [[ " ${GPU_CHECK_STAGES:-env build tests kernels train rollout nsys} " == *" $1 "* ]]; }
+want() { [[ " ${GPU_CHECK_STAGES:-env build tests kernels train rollout step nsys} " == *" $1 "* ]]; }
 run_stage() {  # name, then a command or an exported function; a timeout or crash without a record is a failure
   local name=$1; shift
   want "$name" || return 0
@@ -79,6 +79,17 @@ fi
 run_stage kernels "$PY" bench/gpu_check.py kernels "$OUT"
 run_stage train "$PY" bench/gpu_check.py train "$OUT"
 run_stage rollout "$PY" bench/gpu_check.py rollout "$OUT"
+
+if [ "$CUDA" = 1 ]; then
+  step_stage() {  # fastcredit's step against the Search-R1 design (bench/bench_step.py), a random Qwen2.5-0.5B
+    PYTHONPATH=".:bench" "$PY" bench/bench_step.py --shape Qwen2.5-0.5B --steps 3 --warmup 1 --out "$OUT" \
+      --work "$OUT/work/step" && record step passed "step_Qwen2.5-0.5B_*.{json,md,png}" || record step failed "see step.log"
+  }
+  export -f step_stage
+  run_stage step step_stage
+else
+  want step && record step "not run" "needs CUDA (on a CPU: PYTHONPATH=. python bench/bench_step.py)"
+fi
 
 if [ "$CUDA" = 1 ] && command -v nsys >/dev/null; then
   nsys_stage() {

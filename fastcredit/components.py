@@ -154,7 +154,8 @@ def load_policy(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
     if m.policy == "tiny":
         from fastcredit.models.tiny import build_tiny_policy
 
-        lm = build_tiny_policy(tokenizer, hidden=m.tiny_hidden, layers=m.tiny_layers, heads=m.tiny_heads, seed=cfg.seed)
+        lm = build_tiny_policy(tokenizer, hidden=m.tiny_hidden, layers=m.tiny_layers, heads=m.tiny_heads, seed=cfg.seed,
+                               intermediate=m.tiny_intermediate, kv_heads=m.tiny_kv_heads, vocab_rows=m.tiny_vocab_rows)
     elif m.policy == "smollm2":
         folder, gguf = smollm2_files()
         lm = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf)

@@ -15,7 +15,7 @@ import os
 import tempfile
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
@@ -38,6 +38,9 @@ class ModelConfig:
     tiny_layers: int = opt(2, "decoder layers of the 'tiny' policy")
     tiny_heads: int = opt(4, "attention heads of the 'tiny' policy")
     tiny_vocab: int = opt(2000, "vocabulary size of the 'tiny' policy's BPE tokenizer")
+    tiny_intermediate: int = opt(0, "MLP width of the 'tiny' policy (0: 2 x tiny_hidden)")
+    tiny_kv_heads: int = opt(0, "key/value heads of the 'tiny' policy (0: tiny_heads, no grouping)")
+    tiny_vocab_rows: int = opt(0, "rows of the 'tiny' policy's embedding and LM head (0: its tokenizer's size); a real model's vocabulary size gives its LM-head cost for timing (bench/bench_step.py), ids past the tokenizer decode to nothing")
 
 
 @dataclass
@@ -96,6 +99,7 @@ class RolloutConfig:
     max_action_tokens: int = opt(500, "tokens one action may generate")
     max_obs_tokens: int = opt(500, "cap on one observation's tokens")
     max_response_tokens: int = opt(4096, "cap on a whole response (actions + observations)")
+    stop_at_tags: bool = opt(True, "stop generating an action at </search> or </answer>; false: Search-R1's turns, generated to EOS or max_action_tokens and cut after the first tag (configs/searchr1_design.yaml)")
     gpu_memory_utilization: float = opt(0.0, "vLLM's share of the GPU (weights, activations, KV cache); 0: auto, what is free once the trainer's resident state is in place minus rollout.memory_margin_gib (fastcredit.memory)")
     memory_margin_gib: float = opt(2.0, "GPU memory left free beside the vLLM engine with gpu_memory_utilization=0 (allocator fragmentation, NCCL buffers)")
     sleep_level: Literal[1, 2] = opt(2, "vLLM sleep level for the policy engine (2: drop weights, re-synced after the update)")
@@ -205,17 +209,19 @@ class TrainConfig:
     guard: GuardConfig = opt(GuardConfig, "collapse guard on KL, gradient norm and reward")
 
 
-def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = (), root: type = None):
-    """Defaults, then the YAML file (if any), then ``key=value`` overrides; validated.
+def load_config(path: Union[str, typing.Sequence[str], None] = None, overrides: typing.Sequence[str] = (),
+                root: type = None):
+    """Defaults, then the YAML file (if any; several: in order, each overlaying the one before, e.g. a method's
+    config then ``configs/searchr1_design.yaml``), then ``key=value`` overrides; validated.
 
     ``root``: the config tree's class (default :class:`TrainConfig`); another command's root (e.g.
     ``fastcredit.prm.config.PRMTrainConfig``) validates itself with its ``validate(origins)`` method."""
     root = TrainConfig if root is None else root
     cfg, origins = root(), {}
-    if path is not None:
-        data, lines = _read_yaml(path)
-        _apply_mapping(cfg, data, prefix="", origin=lambda k: f"{path} line {lines.get(k, '?')}", root=root)
-        origins.update((k, f"{path} line {n}") for k, n in lines.items())
+    for one in ([] if path is None else [path] if isinstance(path, str) else list(path)):
+        data, lines = _read_yaml(one)
+        _apply_mapping(cfg, data, prefix="", origin=lambda k: f"{one} line {lines.get(k, '?')}", root=root)
+        origins.update((k, f"{one} line {n}") for k, n in lines.items())
     for item in overrides:
         key, value = _split_override(item)
         origins[key] = f"command line '{item}'"
@@ -434,10 +440,11 @@ def save_config(cfg, path: str) -> None:
     os.replace(tmp, path)
 
 
-def parse_cli(argv: typing.Sequence[str]) -> tuple[Optional[str], list[str]]:
-    """Split ``[--config X.yaml] [key=value …]``. Help is the command's own: ``fastcredit.cli.handle_help``
-    answers ``--help`` before this runs."""
-    path, overrides, args = None, [], list(argv)
+def parse_cli(argv: typing.Sequence[str]) -> tuple[Union[str, list[str], None], list[str]]:
+    """Split ``[--config X.yaml [--config OVERLAY.yaml …]] [key=value …]``: the path (a list when ``--config``
+    is given more than once, applied in order by :func:`load_config`) and the overrides. Help is the
+    command's own: ``fastcredit.cli.handle_help`` answers ``--help`` before this runs."""
+    paths, overrides, args = [], [], list(argv)
     while args:
         a = args.pop(0)
         if a in ("-h", "--help") or a.startswith("--help="):
@@ -445,11 +452,11 @@ def parse_cli(argv: typing.Sequence[str]) -> tuple[Optional[str], list[str]]:
         if a == "--config":
             if not args:
                 raise ConfigError("--config needs a YAML path")
-            path = args.pop(0)
+            paths.append(args.pop(0))
         elif a.startswith("--config="):
-            path = a.split("=", 1)[1]
+            paths.append(a.split("=", 1)[1])
         elif a.startswith("--"):
             raise ConfigError(f"unknown flag {a!r}; overrides are written key=value without dashes")
         else:
             overrides.append(a)
-    return path, overrides
+    return (paths[0] if len(paths) == 1 else paths or None), overrides

@@ -62,6 +62,9 @@ RANGES: dict[str, Range] = {
     "model.tiny_layers": Range(COUNT),
     "model.tiny_heads": Range(COUNT),
     "model.tiny_vocab": Range("[300, inf)", "256 bytes and the agent tags"),
+    "model.tiny_intermediate": Range("[0, inf)", "0: 2 x tiny_hidden"),
+    "model.tiny_kv_heads": Range("[0, inf)", "0: tiny_heads"),
+    "model.tiny_vocab_rows": Range("[0, inf)", "0: the tokenizer's size"),
     "data.toy.seed": Range(NONNEG),
     "data.toy.num_people": Range(NONNEG),
     "data.toy.num_cities": Range(COUNT),
@@ -209,6 +212,8 @@ def check_rules(cfg) -> None:
         (d.source == "toy" or d.train_path, f"data.train_path is required for data.source={d.source}"),
         (cfg.model.policy != "tiny" or cfg.model.tiny_hidden % cfg.model.tiny_heads == 0,
          f"model.tiny_hidden={cfg.model.tiny_hidden} must be a multiple of model.tiny_heads={cfg.model.tiny_heads}"),
+        (cfg.model.policy != "tiny" or cfg.model.tiny_heads % (cfg.model.tiny_kv_heads or cfg.model.tiny_heads) == 0,
+         f"model.tiny_heads={cfg.model.tiny_heads} must be a multiple of model.tiny_kv_heads={cfg.model.tiny_kv_heads}"),
         (cfg.distributed.engine == "fsdp2" or cfg.distributed.shard_size == -1,
          f"distributed.shard_size={cfg.distributed.shard_size} applies to distributed.engine=fsdp2 only "
          "(DeepSpeed ZeRO shards over all ranks); leave it at -1"),

@@ -142,9 +142,10 @@ PRESETS = {p.name.lower(): p for p in (
 
 
 def tiny_shape(mcfg) -> ModelShape:
-    """The ``tiny`` policy of ``fastcredit.models.tiny`` (model.tiny_*: MHA, MLP 2H, tied)."""
+    """The ``tiny`` policy of ``fastcredit.models.tiny`` (model.tiny_*; MLP 2H and MHA unless set; tied)."""
     h, n = mcfg.tiny_hidden, mcfg.tiny_heads
-    s = ModelShape(0, mcfg.tiny_layers, h, n, n, h // n, 2 * h, mcfg.tiny_vocab, True, name="tiny")
+    s = ModelShape(0, mcfg.tiny_layers, h, n, mcfg.tiny_kv_heads or n, h // n, mcfg.tiny_intermediate or 2 * h,
+                   max(mcfg.tiny_vocab, mcfg.tiny_vocab_rows), True, name="tiny")
     return replace(s, params=s.formula_params())
 
 

@@ -34,7 +34,7 @@ CONSOLE_KEYS = (
     ("actor/clipfrac", "clip", "{:5.3f}"), ("actor/grad_norm", "|g|", "{:6.2f}"),
     ("tokens_per_s", "tok/s", "{:6.0f}"), ("time/step", "time", _seconds),
     ("time/rollout", "roll", _seconds), ("time/rollout/retrieval_wait_per_traj", "retr", _seconds),
-    ("time/judge", "judge", _seconds), ("time/logprobs", "logp", _seconds), ("time/update", "upd", _seconds),
+    ("time/judge", "judge", _seconds), ("time/old_logprobs", "logp", _seconds), ("time/update", "upd", _seconds),
     ("time/colocate/sync_weights", "sync", _seconds),
 )
 
@@ -192,7 +192,8 @@ LABELS = {"em": "train EM", "eval/em": "held-out EM", "time/step": "step (total)
           "actor/grad_norm": "policy grad norm", "critic/grad_norm": "critic grad norm",
           "actor/clipfrac": "clip fraction"}
 # The stacked phases in the order a step runs them (others after, by name).
-PHASES = ("rollout", "reward", "judge", "logprobs", "advantage", "update", "checkpoint", "eval")
+PHASES = ("rollout", "reward", "judge", "old_logprobs", "ref_logprobs", "values", "advantage", "update", "checkpoint",
+          "eval")
 
 
 def _series(rows: list[dict], key: str) -> tuple[list, list]:

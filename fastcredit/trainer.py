@@ -4,7 +4,7 @@ Legend (shape suffixes): B trajectories, S turns, N packed response tokens.
 
 One step, each phase timed and inside an NVTX range:
 rollout (async agent loop; ProCeed rewinds) → outcome rewards → judges (critic / judge /
-PRM) → dynamic sampling (DAPO) → old, reference log-probs and values → estimator by name
+PRM) → dynamic sampling (DAPO) → old log-probs, reference log-probs, values (three phases) → estimator by name
 → PPO epochs over mini- and micro-batches (loss through the kernel dispatch) → weight sync
 into the rollout engine at the next rollout → metrics, checkpoint, collapse guard.
 The policy and value model train through the engine ``distributed.engine`` names (FSDP2,
@@ -29,7 +29,7 @@ from fastcredit.credit.registry import estimator_needs
 from fastcredit.data.prompts import example_prompt_ids
 from fastcredit.data.sampler import PromptSampler
 from fastcredit.distributed.process_group import DistInfo, all_reduce_sum, max_over_ranks, mean_over_ranks
-from fastcredit.profiling import PhaseTimer, profiler_start, profiler_stop
+from fastcredit.profiling import PhaseTimer, nvtx_range, profiler_start, profiler_stop
 from fastcredit.rollout.proceed import proceed_flags
 from fastcredit.tracking import MetricLogger, archive_previous_run, write_line
 
@@ -257,7 +257,11 @@ class Trainer:
         return merged, [ex_all[i] for i in index], torch.cat([p[2] for p in parts])[index], metrics
 
     def train_step(self) -> dict:
-        """One full step; returns its metrics (rank-averaged)."""
+        """One full step (an NVTX range ``step`` around its phases); returns its metrics (rank-averaged)."""
+        with nvtx_range("step"):
+            return self._train_step()
+
+    def _train_step(self) -> dict:
         from fastcredit.actor import UpdateData, forward_logprobs, forward_values, ppo_update
         from fastcredit.credit import CreditInputs, compute_advantages
 
@@ -269,14 +273,19 @@ class Trainer:
             extras, jm = self.judges.score(result, examples, reward) if self.judges is not None else ({}, {})
         metrics.update(jm)
         mt = cfg.optim.micro_batch_tokens
-        with self.timer.phase("logprobs"), self.phases.train():
-            old, ent = forward_logprobs(self.policy, prompts, batch, self.pad_id, info.device, mt,
-                                        cfg.rollout.temperature, self._max_over_ranks)
-            with self.phases.using(self.ref):
-                ref = forward_logprobs(self.ref, prompts, batch, self.pad_id, info.device, mt, cfg.rollout.temperature,
-                                       self._max_over_ranks)[0] if self.ref is not None else None
-            values = forward_values(self.value, prompts, batch, self.pad_id, info.device, mt,
-                                    self._max_over_ranks) if self.value is not None else None
+        with self.phases.train():  # its moves (engines to sleep, training state back) are timed by the phases
+            with self.timer.phase("old_logprobs"):
+                old, ent = forward_logprobs(self.policy, prompts, batch, self.pad_id, info.device, mt,
+                                            cfg.rollout.temperature, self._max_over_ranks)
+            ref = values = None
+            if self.ref is not None:
+                with self.timer.phase("ref_logprobs"), self.phases.using(self.ref):
+                    ref = forward_logprobs(self.ref, prompts, batch, self.pad_id, info.device, mt,
+                                           cfg.rollout.temperature, self._max_over_ranks)[0]
+            if self.value is not None:
+                with self.timer.phase("values"):
+                    values = forward_values(self.value, prompts, batch, self.pad_id, info.device, mt,
+                                            self._max_over_ranks)
         with self.timer.phase("advantage"):
             inputs = CreditInputs.from_batch(batch, reward, values_N=values, old_logp_N=old, ref_logp_N=ref, **extras)
             credit = compute_advantages(cfg.credit.estimator, inputs, cfg.credit)

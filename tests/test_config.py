@@ -174,3 +174,23 @@ def test_bad_engine_settings_name_the_key():
         load_config(None, ["distributed.engine=deepspeed", "distributed.shard_size=2"])
     cfg = load_config(None, ["distributed.engine=deepspeed", "distributed.zero_stage=2"])
     assert (cfg.distributed.engine, cfg.distributed.zero_stage) == ("deepspeed", 2)
+
+
+def test_a_second_config_overlays_the_first_and_errors_name_its_file(tmp_path):
+    """``--config METHOD.yaml --config configs/searchr1_design.yaml``: the overlay changes how a step runs, the
+    method config keeps the rest; a bad key in the overlay is named with its file and line."""
+    from fastcredit.config import parse_cli
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    method, design = (os.path.join(root, "configs", f) for f in ("criticsearch.yaml", "searchr1_design.yaml"))
+    path, overrides = parse_cli(["--config", method, f"--config={design}", "optim.total_steps=3"])
+    assert path == [method, design] and overrides == ["optim.total_steps=3"]
+    cfg, alone = load_config(path, overrides), load_config(method)
+    assert (cfg.rollout.mode, cfg.rollout.stop_at_tags, cfg.rollout.enable_prefix_caching) == ("lockstep", False, False)
+    assert (cfg.retrieval.backend, cfg.loss.impl, cfg.optim.total_steps) == ("http", "torch", 3)
+    assert cfg.credit.estimator == alone.credit.estimator and cfg.rollout.n_samples == alone.rollout.n_samples
+    assert cfg.model.policy == alone.model.policy and cfg.rollout.max_action_tokens == alone.rollout.max_action_tokens
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  mode: lockstep\n  max_turns: 0\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml line 3: rollout\.max_turns must lie in"):
+        load_config([method, str(bad)])

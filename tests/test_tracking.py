@@ -14,7 +14,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 # One step's metrics as the trainer logs them (a subset).
 STEP = {"reward": 0.5, "em": 0.4, "f1": 0.45, "turns_per_traj": 2.5, "searches_per_traj": 1.5, "actor/kl_ref": 1e-3,
         "actor/entropy": 1.1, "actor/clipfrac": 0.02, "actor/grad_norm": 0.7, "tokens_per_s": 900.0,
-        "time/step": 3.2, "time/rollout": 1.5, "time/reward": 0.01, "time/judge": 0.2, "time/logprobs": 0.4,
+        "time/step": 3.2, "time/rollout": 1.5, "time/reward": 0.01, "time/judge": 0.2, "time/old_logprobs": 0.4,
         "time/advantage": 0.01, "time/update": 1.0, "time/rollout/retrieval_wait_per_traj": 0.3}
 
 

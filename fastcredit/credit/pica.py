@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from fastcredit.credit.config import CreditConfig
-from fastcredit.credit.ppo import kl_reward_N, outcome_on_final_turn, token_level_gae, turn_row_ends
+from fastcredit.credit.ppo import kl_reward_N, outcome_on_final_turn, token_level_gae, turns_per_trajectory
 from fastcredit.credit.registry import register_estimator
 from fastcredit.credit.segments import (
     discounted_suffix_sum,
@@ -73,9 +73,9 @@ def pica_turn_rewards(inputs: CreditInputs, cfg: CreditConfig, step_S: torch.Ten
 def _turn_level(inputs: CreditInputs, cfg: CreditConfig, R_S: torch.Tensor, metrics: dict) -> CreditResult:
     """Eq. 13: GAE over the turns of each trajectory, values read at turn starts."""
     v_S = turn_first_action_value(inputs.values_N, inputs.seg_start_S, inputs.seg_action_len_S)
-    row_end_S = turn_row_ends(inputs)
-    delta_S = R_S + cfg.gamma * next_in_row(v_S, row_end_S) - v_S
-    adv_S = discounted_suffix_sum(delta_S, row_end_S, cfg.gamma * cfg.lam)
+    T_B = turns_per_trajectory(inputs)
+    delta_S = R_S + cfg.gamma * next_in_row(v_S, T_B) - v_S
+    adv_S = discounted_suffix_sum(delta_S, T_B, cfg.gamma * cfg.lam)
     ret_N = gather_turns((adv_S + v_S).to(torch.float32), inputs.seg_id_N)
     if cfg.whiten_advantages:
         adv_S = whiten(adv_S, inputs.seg_action_len_S)

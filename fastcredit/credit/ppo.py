@@ -68,10 +68,9 @@ def _kl_to_go(inputs: CreditInputs, kl_N: torch.Tensor) -> torch.Tensor:
     return gather_turns(total_S, inputs.seg_id_N) - C_pad[1:] + kl_N
 
 
-def turn_row_ends(inputs: CreditInputs) -> torch.Tensor:
-    """int64 ``[S]``: exclusive end (in turn index) of each turn's trajectory."""
-    T_B, first_B, _, _ = turn_layout(inputs.seg_traj_S, inputs.B)
-    return (first_B + T_B)[inputs.seg_traj_S]
+def turns_per_trajectory(inputs: CreditInputs) -> torch.Tensor:
+    """int64 ``[B]``: the number of turns of each trajectory (the rows of the turn stream)."""
+    return torch.bincount(inputs.seg_traj_S, minlength=inputs.B)
 
 
 def gae_closed_form(inputs: CreditInputs, R_S: torch.Tensor, kl_N: Optional[torch.Tensor],
@@ -81,7 +80,7 @@ def gae_closed_form(inputs: CreditInputs, R_S: torch.Tensor, kl_N: Optional[torc
     The turn rewards sit on each turn's last action token (or the nearest earlier one),
     so every action token of turn ``t`` sees exactly the rewards of turns ``t' ≥ t``.
     """
-    togo_S = discounted_suffix_sum(R_S, turn_row_ends(inputs), 1.0)
+    togo_S = discounted_suffix_sum(R_S, turns_per_trajectory(inputs), 1.0)
     if kl_N is None:
         ret_N = gather_turns(togo_S.to(torch.float32), inputs.seg_id_N)
     else:
@@ -93,23 +92,29 @@ def gae_closed_form(inputs: CreditInputs, R_S: torch.Tensor, kl_N: Optional[torc
 
 def gae_scan(inputs: CreditInputs, cfg: CreditConfig, R_S: torch.Tensor, kl_N: Optional[torch.Tensor],
              action_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """General ``γ, λ``: GAE on the compacted action stream; ``(adv_N, returns_N)`` float64."""
+    """General ``γ, λ``: GAE on the compacted action stream; ``(adv_N, returns_N)`` float32 (the result's dtype).
+
+    Everything between the compaction and the scatter back runs on the ``A`` action tokens in
+    float64; ``credit.whiten_advantages`` whitens there too (over exactly the action tokens).
+    """
     idx_A = torch.nonzero(action_N).flatten()
-    seg_A = inputs.seg_id_N[idx_A]
-    # Action-stream end of each turn's trajectory, read per action token through its turn.
+    # The rows of the action stream: each trajectory's action tokens.
     acts_B = torch.zeros(inputs.B, dtype=torch.int64).index_add_(0, inputs.seg_traj_S, inputs.seg_action_len_S)
-    row_end_A = torch.cumsum(acts_B, 0)[inputs.seg_traj_S].index_select(0, seg_A)
     at_S = turn_last_action(inputs.seg_action_len_S, inputs.seg_traj_S, inputs.B)
     keep_S = at_S >= 0
     reward_A = torch.zeros(idx_A.numel(), dtype=torch.float64).index_add_(0, at_S[keep_S],
                                                                          R_S.to(torch.float64)[keep_S])
     if kl_N is not None:
-        reward_A = reward_A + kl_N[idx_A]
-    v_A = inputs.values_N.to(torch.float64)[idx_A]
-    delta_A = reward_A + cfg.gamma * next_in_row(v_A, row_end_A) - v_A
-    adv_A = discounted_suffix_sum(delta_A, row_end_A, cfg.gamma * cfg.lam)
-    adv_N = to_tokens(adv_A, idx_A, inputs.N)
-    return adv_N, torch.where(action_N, adv_N + inputs.values_N.to(torch.float64), 0.0)
+        reward_A += kl_N[idx_A]
+    v_A = inputs.values_N[idx_A].to(torch.float64)
+    delta_A = torch.add(reward_A, next_in_row(v_A, acts_B), alpha=cfg.gamma).sub_(v_A)
+    adv_A = discounted_suffix_sum(delta_A, acts_B, cfg.gamma * cfg.lam)
+    adv_N = to_tokens(as_result_tensor(adv_A), idx_A, inputs.N)
+    # R = A + V on the packed stream in float32 (one pass, no second scatter): within an ulp of the float64 sum.
+    ret_N = torch.where(action_N, adv_N + inputs.values_N.to(adv_N.dtype), 0.0)
+    if cfg.whiten_advantages:
+        adv_N = to_tokens(as_result_tensor(whiten(adv_A)), idx_A, inputs.N)
+    return adv_N, ret_N
 
 
 def token_level_gae(inputs: CreditInputs, cfg: CreditConfig, R_S: torch.Tensor, turn_S: dict,
@@ -119,10 +124,10 @@ def token_level_gae(inputs: CreditInputs, cfg: CreditConfig, R_S: torch.Tensor, 
     kl_N = kl_reward_N(inputs, cfg, action_N)
     if cfg.gamma == 1.0 and cfg.lam == 1.0:
         adv_N, ret_N = gae_closed_form(inputs, R_S, kl_N, action_N)
+        if cfg.whiten_advantages:
+            adv_N = torch.where(action_N, whiten(adv_N.to(torch.float64), action_N), 0.0)
     else:
         adv_N, ret_N = gae_scan(inputs, cfg, R_S, kl_N, action_N)
-    if cfg.whiten_advantages:
-        adv_N = torch.where(action_N, whiten(adv_N.to(torch.float64), action_N), 0.0)
     return CreditResult(adv_N=as_result_tensor(adv_N), returns_N=as_result_tensor(ret_N), turn_S=turn_S,
                         metrics=metrics)
 

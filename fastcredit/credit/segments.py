@@ -8,11 +8,13 @@ Legend (shape suffixes):
     G  groups (prompts)
 
 Nothing here loops in Python over trajectories, turns or tokens. The one scan,
-:func:`discounted_suffix_sum`, works on blocks whose size depends only on the discount.
+:func:`discounted_suffix_sum`, works on blocks whose size depends only on the discount and
+on rows given by their lengths.
 """
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -113,75 +115,76 @@ def turn_first_action_value(values_N: torch.Tensor, seg_start_S: torch.Tensor,
     return v_S
 
 
-def row_ends(row_A: torch.Tensor) -> torch.Tensor:
-    """int64 ``[A]``: exclusive end index of each element's row (rows are contiguous runs; ids may skip)."""
-    if row_A.numel() == 0:
-        return row_A.to(torch.int64)
-    rel_A = row_A - row_A[0]
-    return torch.cumsum(torch.bincount(rel_A), 0)[rel_A]
+def next_in_row(x_A: torch.Tensor, row_len_R: torch.Tensor) -> torch.Tensor:
+    """``x`` shifted left by one inside each row; 0 after a row's last element.
 
-
-def next_in_row(x_A: torch.Tensor, row_end_A: torch.Tensor) -> torch.Tensor:
-    """``x`` shifted left by one inside each row; 0 after a row's last element."""
-    nxt = torch.zeros_like(x_A)
-    if x_A.numel() > 1:
-        same = torch.arange(1, x_A.numel(), device=x_A.device) < row_end_A[:-1]
-        nxt[:-1] = torch.where(same, x_A[1:], 0.0)
+    ``row_len_R``: the lengths of the contiguous rows that tile ``x_A`` in order (zeros allowed)."""
+    nxt = torch.empty_like(x_A)
+    if x_A.numel():
+        nxt[:-1] = x_A[1:]
+        nxt[torch.cumsum(row_len_R, 0)[row_len_R > 0] - 1] = 0
     return nxt
 
 
-def discounted_suffix_sum(x_A: torch.Tensor, row_end_A: torch.Tensor, c: float) -> torch.Tensor:
+def discounted_suffix_sum(x_A: torch.Tensor, row_len_R: torch.Tensor, c: float) -> torch.Tensor:
     """``y_k = Σ_{k ≤ j < row_end_k} c^(j-k) x_j`` in float64: a discounted suffix sum inside contiguous rows.
 
-    ``row_end_A`` is the exclusive end index of each element's row (:func:`row_ends`). This is GAE's ``A_k = δ_k + γλ A_{k+1}`` (with ``c = γλ``) for every row at once.
+    ``row_len_R`` gives the lengths of the rows that tile ``x_A`` in order (zeros allowed). This is
+    GAE's ``A_k = δ_k + γλ A_{k+1}`` (with ``c = γλ``) for every row at once.
 
-    NOTE (overflow): the textbook trick ``c^(-k) · reverse_cumsum(c^k x)`` overflows
-    float64 once ``c^(-k)`` passes 1e308 (k ≈ 14,000 for c = 0.95). The stream is cut
-    into blocks of ``K`` elements with ``c^(-K) ≤ 1e100``; inside a block every element
-    is scaled by ``c^(-q)``, ``q`` its distance to the block's end, so scales never
-    exceed 1e100 and the terms of later rows, when brought back by ``c^(q_k)``, are
-    shrunk rather than amplified (their cancellation error stays ``≲ eps · Σ c^(j-k)|x_j|``).
-    A row that runs past its block takes one carry, ``c^(d) · y(first element of the
-    next block)``; the carry's own carry is multiplied by at least ``c^(K+1) < 1e-100``
-    and is dropped, far below float64 resolution. The scales depend only on the column
-    inside a block, so they broadcast (no per-element power). With ``c = 1`` the whole
-    stream is one block (plain reverse cumsum, error ``≲ eps · Σ_{j>k}|x_j|``); with
-    ``c = 0``, ``y = x``.
+    Six streaming passes over the data and work per segment, never per element index: the
+    stream is reversed (suffix sums become prefix sums) and cut into blocks of ``K`` elements
+    with ``c^(-K) ≤ 1e100``; element ``i`` at column ``q`` of its block is scaled by ``c^(-q)``,
+    the blocks are cumulatively summed in place, and the sums are scaled back by ``c^q``.
+    A *segment* is a maximal run inside one row and one block. Before the cumulative sum, the
+    first element of each segment that starts inside a block receives ``−(previous segment's
+    total)``, so the running sum restarts there; a segment that starts a block but continues
+    its row from the block before receives the carry ``c^K · (that block's last segment's
+    total)`` instead, i.e. ``c · y`` of the row's next element. The totals come from one
+    ``segment_reduce``.
+
+    NOTE (overflow and precision): the textbook ``c^(-k) · cumsum(c^k x)`` overflows float64
+    once ``c^(-k)`` passes 1e308 (k ≈ 14,000 for c = 0.95); inside a block no scale exceeds
+    1e100, and values of earlier segments are brought back by ``c^q`` with ``q`` at least their
+    distance, so they are shrunk rather than amplified (cancellation error ``≲ eps · Σ
+    c^(j-k)|x_j|``). The carry of a carry (a row spanning a whole block) is multiplied by at
+    least ``c^(K+1) < 1e-100`` and is dropped, far below float64 resolution. With ``c = 1``
+    the stream is one block; with ``c = 0``, ``y = x``.
     """
     if not 0.0 <= c <= 1.0:
         raise ValueError(f"discount c = gamma * lambda must lie in [0, 1], got {c}")
     x_A = x_A.to(torch.float64)
     A = x_A.numel()
+    if int(row_len_R.sum()) != A:
+        raise ValueError(f"row lengths sum to {int(row_len_R.sum())}, the stream has {A} elements")
     if A == 0 or c == 0.0:
         return x_A.clone()
-    K = A if c == 1.0 else max(1, min(A, int(_SCALE_LOG_LIMIT / -math.log(c))))
-    nb = -(-A // K)
     dev = x_A.device
-    # Work on a [nb, K] view padded with zeros; q = K-1 ... 0 is the distance to the block's end.
-    q_K = torch.arange(K - 1, -1, -1, dtype=torch.float64, device=dev)
-    W = torch.zeros(nb * K, dtype=torch.float64, device=dev)
-    W[:A] = x_A
-    W = W.view(nb, K)
+    K = A if c == 1.0 else max(1, min(A, int(_SCALE_LOG_LIMIT / -math.log(c))))
+    F = A - A % K  # elements in whole blocks; the rest is one short block
+    z = x_A.flip(0)  # a fresh tensor: everything below works in place on it
+    whole, tail = z[:F].view(-1, K), z[F:]
+    col_K = torch.arange(K, dtype=torch.float64, device=dev)
     if c < 1.0:
-        W.mul_(torch.pow(c, -q_K))
-    R = W.flip(1).cumsum(1).flip(1)
-    # Cut each block's suffix sums at the end of the element's row: subtract R there.
-    row_end = torch.zeros(nb * K, dtype=torch.int64, device=dev)
-    row_end[:A] = row_end_A
-    row_end = row_end.view(nb, K)
-    block_end = torch.arange(1, nb + 1, device=dev)[:, None] * K  # [nb, 1]
-    stop = torch.minimum(row_end, block_end)
-    R_flat = torch.cat([R.reshape(-1), R.new_zeros(1)])
-    y = R - torch.where(stop < block_end, R_flat[stop], 0.0)
+        up_K = torch.pow(c, -col_K)
+        whole.mul_(up_K)
+        tail.mul_(up_K[:A - F])
+    rows_R = row_len_R.flip(0).to(torch.int64)
+    row_start = (torch.cumsum(rows_R, 0) - rows_R)[rows_R > 0]
+    start_J = torch.unique(torch.cat([row_start, torch.arange(0, A, K, device=dev)]))  # segment starts, sorted
+    if start_J.numel() > 1:
+        total_J = torch.segment_reduce(z, "sum", lengths=torch.diff(start_J, append=start_J.new_tensor([A])))
+        later = start_J[1:]  # every segment but the first, and the total of the one before it
+        carry = torch.where((later % K == 0) & ~torch.isin(later, row_start), (c ** K) * total_J[:-1], 0.0)
+        carried_before = torch.cat([carry.new_zeros(1), carry[:-1]])
+        z.index_add_(0, later, torch.where(later % K > 0, -(total_J[:-1] + carried_before), carry))
+    whole.cumsum_(1)
+    tail.cumsum_(0)
     if c < 1.0:
-        y.mul_(torch.pow(c, q_K))
-    if nb > 1:
-        # A row that runs past its block: + c^(d) · y(first element of the next block), d = block end − k.
-        head = torch.zeros(nb, 1, dtype=torch.float64, device=dev)
-        head[:-1, 0] = y[1:, 0]
-        dist_K = torch.arange(K, 0, -1, dtype=torch.float64, device=dev)
-        y += torch.where(row_end > block_end, head * torch.pow(c, dist_K), 0.0)
-    return y.reshape(-1)[:A]
+        down_K = torch.pow(c, col_K)
+        whole.mul_(down_K)
+        tail.mul_(down_K[:A - F])
+    return z.flip(0)
 
 
 def gather_turns(table_S: torch.Tensor, seg_id_N: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
@@ -196,13 +199,21 @@ def to_tokens(values_A: torch.Tensor, idx_A: torch.Tensor, N: int) -> torch.Tens
     return out.index_copy_(0, idx_A, values_A)
 
 
-def whiten(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def whiten(x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """veRL's ``masked_whiten``: ``(x - mean) / sqrt(var + 1e-8)``, weighted, unbiased var.
 
     ``weight`` counts how many tokens each entry stands for (1 per token, or a turn's
     action length when ``x`` is per turn), so whitening per-turn values equals whitening
-    their per-token broadcast. Fewer than two tokens: returned unchanged.
+    their per-token broadcast; None: every entry is one token. Fewer than two tokens:
+    returned unchanged.
     """
+    if weight is None:
+        n = x.numel()
+        if n < 2:
+            return x
+        mean = x.sum() / n
+        var = ((x - mean) ** 2).sum() / (n - 1)
+        return (x - mean) * torch.rsqrt(var + 1e-8)
     w = weight.to(torch.float64)
     n = float(w.sum())
     if n < 2:

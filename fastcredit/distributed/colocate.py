@@ -30,6 +30,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
+from fastcredit.profiling import nvtx_range
+
 
 def gpu_memory(device: Optional[torch.device] = None) -> dict:
     """GiB allocated / reserved by torch's caching allocator, used on the whole device, and ``engine``: the
@@ -83,11 +85,17 @@ class PhaseManager:
 
     @contextlib.contextmanager
     def _timed(self, key: str) -> Iterator[None]:
+        """Seconds into ``timings[key]``, inside an NVTX range ``key`` (nested in the trainer's phase)."""
         t0 = time.perf_counter()
         try:
-            yield
+            with nvtx_range(key):
+                yield
         finally:
             self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t0
+
+    def _wake(self, engine, tags: Optional[list]) -> None:
+        with self._timed("engine_wake"):
+            engine.wake_up(tags)
 
     def take_timings(self) -> dict:
         """Seconds per switch / sync / move since the last call (``time/<key>`` in the step's metrics)."""
@@ -97,7 +105,8 @@ class PhaseManager:
     def _sleep(self, who: str) -> None:
         engine = self.policy if who == "policy" else self.judge_engine
         if engine is not None and self.awake[who] and self.colocate:
-            engine.sleep(self.policy_level if who == "policy" else self.judge_level)
+            with self._timed("engine_sleep"):
+                engine.sleep(self.policy_level if who == "policy" else self.judge_level)
             self.awake[who] = False
             if who == "policy" and self.policy_level >= 2:
                 self.stale_weights = True
@@ -131,17 +140,17 @@ class PhaseManager:
         if self.stale_weights and weights is not None and self.sync_fn is not None:
             self._train_state_to("device")  # the shards are read where they live (NCCL cannot gather CPU shards)
             if not self.awake["policy"]:
-                self.policy.wake_up(["weights"])
+                self._wake(self.policy, ["weights"])
             with self._timed("sync_weights"):
                 self.sync_fn(weights)
             self.stale_weights = False
             self._train_state_to("cpu")
             if not self.awake["policy"]:
-                self.policy.wake_up(["kv_cache"])
+                self._wake(self.policy, ["kv_cache"])
         else:
             self._train_state_to("cpu")
             if not self.awake["policy"]:
-                self.policy.wake_up(None)
+                self._wake(self.policy, None)
         self.awake["policy"] = True
         self._record("rollout:start")
         try:
@@ -156,7 +165,7 @@ class PhaseManager:
         if self.judge_weights is not None:
             self._train_state_to("cpu")
             if not self.awake["policy"]:
-                self.policy.wake_up(None)
+                self._wake(self.policy, None)
                 self.awake["policy"] = True
             with self._timed("switch_to_critic"):
                 self.policy.update_weights(self.judge_weights.tensors())
@@ -164,7 +173,7 @@ class PhaseManager:
         elif self.judge_engine is not None:
             self._sleep("policy")
             if not self.awake["judge"]:
-                self.judge_engine.wake_up(None)
+                self._wake(self.judge_engine, None)
                 self.awake["judge"] = True
         self._record("judge:start")
         try:

@@ -9,15 +9,23 @@ import torch
 
 
 def build_tiny_policy(tokenizer, hidden: int = 128, layers: int = 2, heads: int = 4, seed: int = 0,
-                      max_positions: int = 4096):
-    """A random Qwen2 with tied embeddings over ``len(tokenizer)`` tokens (float32)."""
+                      max_positions: int = 4096, intermediate: int = 0, kv_heads: int = 0, vocab_rows: int = 0):
+    """A random Qwen2 with tied embeddings over ``len(tokenizer)`` tokens (float32).
+
+    ``intermediate`` (0: ``2·hidden``), ``kv_heads`` (0: ``heads``) and ``vocab_rows`` (0: the tokenizer's
+    size; more: a real model's vocabulary, so its LM head costs what it costs) give a published model's
+    shapes with random weights, for timing."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if hidden % heads:
         raise ValueError(f"model.tiny_hidden={hidden} must be a multiple of model.tiny_heads={heads}")
+    kv_heads = kv_heads or heads
+    if heads % kv_heads:
+        raise ValueError(f"model.tiny_heads={heads} must be a multiple of model.tiny_kv_heads={kv_heads}")
     eos = tokenizer.eos_token_id
-    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+    cfg = Qwen2Config(vocab_size=max(len(tokenizer), vocab_rows), hidden_size=hidden,
+                      intermediate_size=intermediate or 2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       max_position_embeddings=max_positions, tie_word_embeddings=True, bos_token_id=eos,
                       eos_token_id=eos, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
     with torch.random.fork_rng(devices=[]):

@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -63,11 +63,31 @@ class AgentLimits:
     max_action_tokens: int = 500
     max_obs_tokens: int = 500
     max_response_tokens: int = 4096
+    stop_at_tags: bool = True  # False: Search-R1's turns (no stop strings; the action is cut after generating)
 
     @classmethod
     def from_config(cls, rollout_cfg) -> "AgentLimits":
         return cls(rollout_cfg.max_turns, rollout_cfg.max_action_tokens, rollout_cfg.max_obs_tokens,
-                   rollout_cfg.max_response_tokens)
+                   rollout_cfg.max_response_tokens, rollout_cfg.stop_at_tags)
+
+
+def cut_at_first_tag(ids: list, tokenizer) -> tuple[int, bool]:
+    """``(kept, tagged)``: how many of ``ids`` Search-R1 keeps of an action generated without stop strings,
+    up to the token that completes the first ``</search>`` if there is one, else the first ``</answer>``,
+    else all of them (``search_r1/llm_agent/generation.py``, ``_postprocess_responses``: the text is split at
+    ``</search>`` first); shortest prefix by bisection over decodes (a prefix holding a tag only grows)."""
+    full = tokenizer.decode(ids, skip_special_tokens=False)
+    tag = next((t for t in STOP_STRINGS if t in full), None)
+    if tag is None:
+        return len(ids), False
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tag in tokenizer.decode(ids[:mid], skip_special_tokens=False):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, True
 
 
 @dataclass
@@ -127,7 +147,8 @@ class Episode:
         if seed is not None:  # a trajectory's own seed, moved on every turn: reproducible, never repeated
             seed = int(seed) + 7919 * len(self.turns)
         return SamplingParams(max_tokens=max(budget, 1), temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                              stop=list(STOP_STRINGS), stop_token_ids=list(s.stop_token_ids), logprobs=s.logprobs,
+                              stop=list(STOP_STRINGS) if self.limits.stop_at_tags else [],
+                              stop_token_ids=list(s.stop_token_ids), logprobs=s.logprobs,
                               seed=seed)
 
     def on_action(self, out: GenOutput) -> Optional[str]:
@@ -135,6 +156,11 @@ class Episode:
         None when the trajectory ended (answer, truncation)."""
         ids = list(out.token_ids)
         lps = list(out.logprobs) if out.logprobs is not None else [0.0] * len(ids)
+        if not self.limits.stop_at_tags:
+            keep, tagged = cut_at_first_tag(ids, self.tokenizer)
+            ids, lps = ids[:keep], lps[:keep]
+            if tagged:  # as if it had stopped there
+                out = replace(out, token_ids=ids, finish_reason="stop")
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         kind, query = classify_action(text, out)
         step = StepInfo(kind, text, query)

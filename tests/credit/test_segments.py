@@ -6,13 +6,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastcredit.credit import segments
 from fastcredit.credit.reference import group_advantage_reference
 from fastcredit.credit.segments import (
     degenerate_groups,
     discounted_suffix_sum,
     group_advantage,
     next_in_row,
-    row_ends,
     turn_last_action,
     turn_layout,
     whiten,
@@ -36,7 +36,7 @@ def test_discounted_suffix_sum_matches_the_recursion(lengths, c, seed):
     rows = torch.repeat_interleave(torch.arange(len(lengths)) * 2, torch.tensor(lengths))  # ids skip
     x = torch.randn(rows.numel(), generator=gen, dtype=torch.float64)
     expect = _scan_loop(x.tolist(), rows.tolist(), c)
-    assert torch.allclose(discounted_suffix_sum(x, row_ends(rows), c), expect, rtol=1e-9, atol=1e-9)
+    assert torch.allclose(discounted_suffix_sum(x, torch.tensor(lengths), c), expect, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("c", [0.5, 0.95, 0.99, 0.999, 1.0])
@@ -47,14 +47,33 @@ def test_discounted_suffix_sum_long_rows_do_not_overflow(c):
     rows = torch.repeat_interleave(torch.arange(4), lengths)
     x = torch.randn(rows.numel(), generator=gen, dtype=torch.float64)
     x[torch.rand(rows.numel(), generator=gen) < 0.01] *= 1e3  # a few large rewards
-    y = discounted_suffix_sum(x, row_ends(rows), c)
+    y = discounted_suffix_sum(x, lengths, c)
     assert torch.isfinite(y).all()
     assert torch.allclose(y, _scan_loop(x.tolist(), rows.tolist(), c), rtol=1e-6, atol=1e-6)
 
 
-def test_discounted_suffix_sum_rejects_a_discount_above_one():
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 150), min_size=1, max_size=10), st.sampled_from([0.3, 0.5, 0.7]),
+       st.integers(0, 2**31 - 1))
+def test_small_blocks_cut_rows_every_way(lengths, c, seed):
+    """Blocks of 25-84 elements (scales up to e^30 instead of 1e100): rows that start, end, span and
+    restart inside and across blocks, and empty rows, all against the recursion. c^K ≈ e^-30 keeps the
+    dropped carry of a carry below the tolerance."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    x = torch.randn(rows.numel(), generator=gen, dtype=torch.float64)
+    expect = _scan_loop(x.tolist(), rows.tolist(), c)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(segments, "_SCALE_LOG_LIMIT", 30.0)
+        got = discounted_suffix_sum(x, torch.tensor(lengths), c)
+    assert torch.allclose(got, expect, rtol=1e-9, atol=1e-9)
+
+
+def test_discounted_suffix_sum_rejects_a_discount_above_one_and_rows_that_do_not_tile():
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
-        discounted_suffix_sum(torch.ones(3), torch.full((3,), 3), 1.5)
+        discounted_suffix_sum(torch.ones(3), torch.tensor([3]), 1.5)
+    with pytest.raises(ValueError, match="row lengths sum to 4, the stream has 3 elements"):
+        discounted_suffix_sum(torch.ones(3), torch.tensor([1, 3]), 0.9)
 
 
 @settings(max_examples=60, deadline=None)
@@ -96,9 +115,8 @@ def test_turn_layout_and_reward_positions():
 
 def test_next_in_row_and_whiten():
     x = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    ends = row_ends(torch.tensor([0, 0, 3, 3]))
-    assert ends.tolist() == [2, 2, 4, 4]
-    assert next_in_row(x, ends).tolist() == [2.0, 0.0, 4.0, 0.0]
+    assert next_in_row(x, torch.tensor([2, 0, 2])).tolist() == [2.0, 0.0, 4.0, 0.0]
+    assert next_in_row(x, torch.tensor([4])).tolist() == [2.0, 3.0, 4.0, 0.0]
     # Per-turn values with weights (token counts) whiten like their per-token broadcast.
     turn = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
     counts = torch.tensor([2, 3, 1])

@@ -77,7 +77,8 @@ def test_step_order_sync_before_offload_critic_switch_in_the_same_engine():
     again = ["engine.wake(['weights'])", "engine.load(policy)", "offload", "engine.wake(['kv_cache'])",
              "engine.load(critic)", "engine.sleep(2)", "reload"]
     assert log == first + again + again[:4]
-    assert set(pm.take_timings()) == {"sync_weights", "switch_to_critic", "offload", "reload"}
+    assert set(pm.take_timings()) == {"sync_weights", "switch_to_critic", "offload", "reload", "engine_sleep",
+                                      "engine_wake"}
     assert pm.take_timings() == {}
     assert [b for b, _ in pm.history][:6] == ["rollout:start", "rollout:end", "judge:start", "judge:end", "train:start",
                                              "train:end"]

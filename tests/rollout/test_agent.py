@@ -253,3 +253,41 @@ def test_a_searcher_session_is_open_for_the_whole_rollout_even_without_prompts(t
     agent.run(prompts(tok, 2))
     agent.run([])
     assert events[0] == "open" and events[-3:] == ["close", "open", "close"] and "search" in events[1:-3]
+
+
+def test_search_r1_turns_generate_past_the_tag_and_are_cut_after_it(tok):
+    """rollout.stop_at_tags=false (configs/searchr1_design.yaml): no stop strings; the action keeps its tokens up to
+    the first </search>, else the first </answer> (Search-R1's _postprocess_responses prefers </search>)."""
+    def rambling(text, turn):
+        return ("<think>find the city</think><search>where was Ada born</search> I think so. <answer>Paris</answer>"
+                if turn == 0 else "<answer>Paris</answer> I think so. Fake <information>x")
+
+    for mode in ("async", "lockstep"):
+        agent, _, _ = loop(tok, rambling, mode, stop_at_tags=False, max_action_tokens=200)
+        res = agent.run(prompts(tok, 2), group_id=[0, 0])
+        res.batch.validate()
+        assert res.batch.seg_kind_S.tolist() == [TurnKind.SEARCH, TurnKind.ANSWER] * 2, mode
+        ep = res.episodes[0]
+        first, last = (tok.decode(t.action_ids, skip_special_tokens=False) for t in ep.turns)
+        assert first.endswith("</search>") and "Paris" not in first and ep.steps[0].query == "where was Ada born"
+        assert last.endswith("</answer>") and "Fake" not in last
+        assert len(ep.logprobs) == sum(len(t.action_ids) + len(t.obs_ids) for t in ep.turns)  # cut with the tokens
+    from fastcredit.rollout.agent import Episode
+
+    e = Episode([1, 2], tok, AgentLimits(stop_at_tags=False), SamplingParams(max_tokens=8), [3])
+    assert e.next_request().stop == [] and Episode([1, 2], tok, AgentLimits(), SamplingParams(max_tokens=8),
+                                                   [3]).next_request().stop == ["</search>", "</answer>"]
+
+
+def test_cut_at_first_tag_prefers_search_and_keeps_untagged_actions_whole(tok):
+    from fastcredit.rollout.agent import cut_at_first_tag
+
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    both = ids("<answer>Paris</answer> I think so. <search>where was Ada born</search> more")
+    kept, tagged = cut_at_first_tag(both, tok)
+    assert tagged and tok.decode(both[:kept], skip_special_tokens=False).endswith("</search>")
+    assert not tok.decode(both[:kept - 1], skip_special_tokens=False).endswith("</search>")
+    plain = ids("I think so. Fake <information>x")
+    assert cut_at_first_tag(plain, tok) == (len(plain), False)

@@ -1,0 +1,69 @@
+"""bench/bench_step.py end to end on the CPU (one timed step of each design), and its phase table's arithmetic."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from bench_step import DESIGNS, phase_table, shape_overrides  # noqa: E402
+
+
+def _row(n, **t):
+    return {"step": n, **{f"time/{k}": v for k, v in t.items()}}
+
+
+def test_the_table_partitions_the_step_and_takes_medians():
+    a = [_row(s, step=10.0 + s, rollout=6.0, old_logprobs=1.0, update=2.0, **{"rollout/generating": 4.0,
+                                                                            "rollout/retrieving": 3.0,
+                                                                            "rollout/overlap": 1.0})
+         for s in (1, 2, 3)]
+    b = [_row(s, step=20.0, rollout=15.0, old_logprobs=2.0, update=s * 1.0, **{"rollout/generating": 9.0,
+                                                                               "rollout/retrieving": 6.0,
+                                                                               "rollout/overlap": 0.0,
+                                                                               "colocate/sync_weights": 0.5})
+         for s in (1, 2, 3)]
+    table = {r["phase"]: r for r in phase_table({DESIGNS[0]: {"rows": a}, DESIGNS[1]: {"rows": b}})}
+    assert table["step"][DESIGNS[0]] == 12.0 and table["step"]["ratio"] == pytest.approx(0.6)
+    assert table["update"][DESIGNS[1]] == 2.0  # the median of 1, 2, 3
+    # "other" is what the top-level phases leave of the step: 12 - 9 and 20 - 19
+    assert table["other"][DESIGNS[0]] == pytest.approx(3.0) and table["other"][DESIGNS[1]] == pytest.approx(1.0)
+    assert table["retrieval wait"][DESIGNS[0]] == 2.0 and table["retrieval wait"]["inside"]
+    assert table["weight sync"][DESIGNS[0]] == 0.0 and table["weight sync"]["ratio"] == 0.0
+    assert "judge" not in table and "values" not in table  # phases no design ran are left out
+
+
+def test_shapes_come_from_the_memory_presets():
+    got = dict(o.split("=") for o in shape_overrides("Qwen2.5-0.5B"))
+    assert got == {"model.tiny_hidden": "896", "model.tiny_layers": "24", "model.tiny_heads": "14",
+                   "model.tiny_kv_heads": "2", "model.tiny_intermediate": "4864", "model.tiny_vocab_rows": "151936"}
+    assert shape_overrides("tiny") == []
+    with pytest.raises(SystemExit, match="not a preset"):
+        shape_overrides("gpt-5")
+
+
+@pytest.mark.slow
+def test_bench_step_runs_both_designs_and_writes_its_results(tmp_path):
+    """One timed step per design (no warm-up) of a 4-trajectory batch, the Search-R1 design's retriever being the
+    /retrieve server the script starts; the policy's vocabulary rows exceed its tokenizer's (ids past it decode
+    to nothing)."""
+    out = tmp_path / "results"
+    cmd = [sys.executable, "bench/bench_step.py", "--steps", "1", "--warmup", "0", "--work", str(tmp_path / "w"),
+           "--out", str(out), "optim.batch_prompts=2", "rollout.n_samples=2", "optim.mini_batch_prompts=2",
+           "data.toy.num_questions=40", "model.tiny_vocab_rows=3000"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/bench"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.load(open(next(out.glob("step_tiny_*.json"))))
+    assert set(report["runs"]) == set(DESIGNS) and report["step_ratio"] > 0
+    base = report["runs"]["searchr1_design"]["rows"][0]
+    assert base["step"] == 1 and base["time/step"] > 0 and "time/rollout/generating" in base
+    phases = {r["phase"] for r in report["table"]}
+    assert {"rollout", "old log-probs", "reference log-probs", "update", "step", "generation"} <= phases
+    assert (out / next(out.glob("step_tiny_*.md")).name).read_text().count("|") > 20
+    assert next(out.glob("step_tiny_*.png")).stat().st_size > 0
+    design = open(tmp_path / "w" / "searchr1_design" / "config.yaml").read()
+    assert "mode: lockstep" in design and "backend: http" in design and "stop_at_tags: false" in design
