@@ -207,14 +207,7 @@ def whiten(x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tens
     their per-token broadcast; None: every entry is one token. Fewer than two tokens:
     returned unchanged.
     """
-    if weight is None:
-        n = x.numel()
-        if n < 2:
-            return x
-        mean = x.sum() / n
-        var = ((x - mean) ** 2).sum() / (n - 1)
-        return (x - mean) * torch.rsqrt(var + 1e-8)
-    w = weight.to(torch.float64)
+    w = torch.ones_like(x, dtype=torch.float64) if weight is None else weight.to(torch.float64)
     n = float(w.sum())
     if n < 2:
         return x

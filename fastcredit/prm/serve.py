@@ -41,7 +41,6 @@ special token, the output and the limits.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import itertools
 import logging
@@ -52,10 +51,10 @@ from typing import Callable, Optional
 import torch
 from aiohttp import web
 
-from fastcredit.batching import ItemFailed, MicroBatcher, QueueFull, isolate_failures
+from fastcredit.batching import MicroBatcher, isolate_failures
 from fastcredit.cli import argparser
 from fastcredit.retrieval.httpserver import (TIMEOUTS, RequestError, ServerThread, Timeouts, check_positive, json_error,
-                                             json_errors, read_body, serve_forever, text_list)
+                                             json_errors, read_body, serve_forever, submit_batch, text_list)
 
 log = logging.getLogger(__name__)
 
@@ -144,18 +143,9 @@ def make_app(batch_fn: Callable[[list], list], special: str, limits: Optional[Re
         rewards: list = []
         if texts:
             rid = next(request_ids)
-            try:
-                rewards = await asyncio.wait_for(batcher.submit([(rid, t) for t in texts]), limits.timeout_s)
-            except QueueFull as exc:
-                return json_error(503, str(exc), {"Retry-After": "1"})
-            except asyncio.TimeoutError:
-                return json_error(504, f"scoring did not finish within {limits.timeout_s} s")
-            except Exception as exc:  # the batcher itself failed: answer, never kill the server
-                log.exception("PRM batch failed")
-                return json_error(500, f"scoring failed: {type(exc).__name__}: {exc}")
-            failed = next((r for r in rewards if isinstance(r, ItemFailed)), None)
-            if failed is not None:
-                return json_error(500, f"scoring failed: {type(failed.exc).__name__}: {failed.exc}")
+            rewards, error = await submit_batch(batcher, [(rid, t) for t in texts], limits.timeout_s, "scoring")
+            if error is not None:
+                return error
         served["requests"] += 1
         served["texts"] += len(texts)
         return web.json_response({"rewards": rewards, "scores": rewards, "extra_logs": {"dummy_scores": rewards}})

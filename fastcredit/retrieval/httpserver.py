@@ -27,6 +27,8 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
+from fastcredit.batching import ItemFailed, QueueFull
+
 log = logging.getLogger(__name__)
 
 
@@ -142,6 +144,25 @@ def json_error(status: int, message: str, headers: Optional[dict] = None, close:
     if close:
         resp.force_close()
     return resp
+
+
+async def submit_batch(batcher, items: list, timeout_s: float, what: str):
+    """``(results, None)`` from a :class:`~fastcredit.batching.MicroBatcher`, or ``(None, error response)``:
+    503 when its queue is full, 504 past ``timeout_s``, 500 when the batcher or one of ``items`` failed
+    (``what`` names the work in the message: "retrieval", "scoring"). Never raises: a server answers."""
+    try:
+        results = await asyncio.wait_for(batcher.submit(items), timeout_s)
+    except QueueFull as exc:
+        return None, json_error(503, str(exc), {"Retry-After": "1"})
+    except asyncio.TimeoutError:
+        return None, json_error(504, f"{what} did not finish within {timeout_s} s")
+    except Exception as exc:  # the batcher itself failed
+        log.exception("%s batch failed", what)
+        return None, json_error(500, f"{what} failed: {type(exc).__name__}: {exc}")
+    failed = next((r for r in results if isinstance(r, ItemFailed)), None)
+    if failed is not None:
+        return None, json_error(500, f"{what} failed: {type(failed.exc).__name__}: {failed.exc}")
+    return results, None
 
 
 @web.middleware

@@ -26,7 +26,6 @@ Binds 127.0.0.1 unless ``--host`` says otherwise. ``GET /health`` reports the qu
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import itertools
 import logging
@@ -36,11 +35,12 @@ from typing import Callable, Optional
 
 from aiohttp import web
 
-from fastcredit.batching import ItemFailed, MicroBatcher, QueueFull, isolate_failures
+from fastcredit.batching import ItemFailed, MicroBatcher, isolate_failures
 from fastcredit.cli import argparser
 from fastcredit.retrieval.cli import add_encoder_args
 from fastcredit.retrieval.httpserver import (TIMEOUTS, RequestError, ServerThread, Timeouts, check_positive, json_error,
-                                             json_errors, read_body, serve_forever, text_list, value_type)
+                                             json_errors, read_body, serve_forever, submit_batch, text_list,
+                                             value_type)
 
 __all__ = ["ServerLimits", "RequestError", "parse_request", "retriever_batch_fn", "isolate_failures", "ItemFailed",
            "make_app", "ServerThread", "main"]
@@ -118,18 +118,9 @@ def make_app(batch_fn: Callable[[list], list], limits: Optional[ServerLimits] = 
         if not queries:
             return web.json_response({"result": []})
         rid = next(request_ids)
-        try:
-            results = await asyncio.wait_for(batcher.submit([(rid, q, topk) for q in queries]), limits.timeout_s)
-        except QueueFull as exc:
-            return json_error(503, str(exc), {"Retry-After": "1"})
-        except asyncio.TimeoutError:
-            return json_error(504, f"retrieval did not finish within {limits.timeout_s} s")
-        except Exception as exc:  # the batcher itself failed: answer, never kill the server
-            log.exception("retrieval batch failed")
-            return json_error(500, f"retrieval failed: {type(exc).__name__}: {exc}")
-        failed = next((r for r in results if isinstance(r, ItemFailed)), None)
-        if failed is not None:
-            return json_error(500, f"retrieval failed: {type(failed.exc).__name__}: {failed.exc}")
+        results, error = await submit_batch(batcher, [(rid, q, topk) for q in queries], limits.timeout_s, "retrieval")
+        if error is not None:
+            return error
         if return_scores:
             payload = [[{"document": d, "score": s} for d, s in r] for r in results]
         else:
