@@ -34,6 +34,7 @@ def _variants() -> list[tuple[str, str, CreditConfig]]:
     """(label, estimator, config) rows; PPO and PiCA also with γλ < 1 (the blocked scan) and turn-level GAE."""
     rows = [(name, name, CreditConfig()) for name in ("grpo", "criticsearch", "cwgrpo", "proceed", "ppo", "pica")]
     rows.append(("ppo γ=0.99 λ=0.95", "ppo", CreditConfig(gamma=0.99, lam=0.95)))
+    rows.append(("pica γ=0.99 λ=0.95", "pica", CreditConfig(gamma=0.99, lam=0.95)))
     turn = CreditConfig()
     turn.pica.gae_level = "turn"
     rows.append(("pica turn-level", "pica", turn))

@@ -18,8 +18,8 @@ action tokens as veRL's GAE does (the returns stay unwhitened).
 With ``γ = λ = 1`` (the default of Search-R1 and PiCA) the sum telescopes:
 ``A_j = Σ_{k ≥ j} r_k − V_j`` and ``R_j = Σ_{k ≥ j} r_k``, computed without any scan over
 tokens (turn rewards are summed per turn, then gathered per token). Otherwise the
-action tokens are compacted and :func:`~fastcredit.credit.segments.discounted_suffix_sum`
-runs the blocked scan.
+action tokens are gathered last-first and :func:`~fastcredit.credit.segments.discounted_prefix_sum_`
+runs the blocked scan on them in place.
 """
 from __future__ import annotations
 
@@ -30,9 +30,12 @@ import torch
 from fastcredit.credit.config import CreditConfig
 from fastcredit.credit.registry import register_estimator
 from fastcredit.credit.segments import (
+    action_positions_last_first,
+    add_prev_in_row_,
+    discounted_prefix_sum_,
     discounted_suffix_sum,
     gather_turns,
-    next_in_row,
+    scratch,
     to_tokens,
     turn_last_action,
     turn_layout,
@@ -90,44 +93,53 @@ def gae_closed_form(inputs: CreditInputs, R_S: torch.Tensor, kl_N: Optional[torc
     return adv_N, ret_N
 
 
-def gae_scan(inputs: CreditInputs, cfg: CreditConfig, R_S: torch.Tensor, kl_N: Optional[torch.Tensor],
-             action_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_scan(inputs: CreditInputs, cfg: CreditConfig, R_S: torch.Tensor,
+             kl_N: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """General ``γ, λ``: GAE on the compacted action stream; ``(adv_N, returns_N)`` float32 (the result's dtype).
 
-    Everything between the compaction and the scatter back runs on the ``A`` action tokens in
-    float64; ``credit.whiten_advantages`` whitens there too (over exactly the action tokens).
+    The action stream is gathered last token first (positions from the turns' spans, no scan
+    of the ``[N]`` mask), so GAE's suffix recursion is the in-place prefix scan with no flips;
+    a token's successor is its predecessor in that stream. Everything between the gather and
+    the two scatters back runs on the ``A`` action tokens in float64; ``credit.whiten_advantages``
+    whitens there too (over exactly the action tokens).
     """
-    idx_A = torch.nonzero(action_N).flatten()
-    # The rows of the action stream: each trajectory's action tokens.
-    acts_B = torch.zeros(inputs.B, dtype=torch.int64).index_add_(0, inputs.seg_traj_S, inputs.seg_action_len_S)
+    dev = inputs.seg_id_N.device
+    A = int(inputs.seg_action_len_S.sum())
+    idx_A = action_positions_last_first(inputs.seg_start_S, inputs.seg_action_len_S,
+                                        out=scratch("gae_idx", A, torch.int64, dev))
+    # The rows of the reversed action stream: each trajectory's action tokens, last trajectory first.
+    acts_B = torch.zeros(inputs.B, dtype=torch.int64, device=dev).index_add_(0, inputs.seg_traj_S,
+                                                                             inputs.seg_action_len_S)
+    rows_B = acts_B.flip(0)
     at_S = turn_last_action(inputs.seg_action_len_S, inputs.seg_traj_S, inputs.B)
     keep_S = at_S >= 0
-    reward_A = torch.zeros(idx_A.numel(), dtype=torch.float64).index_add_(0, at_S[keep_S],
-                                                                         R_S.to(torch.float64)[keep_S])
+    # One float64 work buffer, updated in place: r, then δ = r + γ·V_next − V, then A (the scan).
+    work_A = scratch("gae_work", A, torch.float64, dev).zero_()
+    work_A.index_add_(0, A - 1 - at_S[keep_S], R_S.to(torch.float64)[keep_S])
     if kl_N is not None:
-        reward_A += kl_N[idx_A]
-    v_A = inputs.values_N[idx_A].to(torch.float64)
-    delta_A = torch.add(reward_A, next_in_row(v_A, acts_B), alpha=cfg.gamma).sub_(v_A)
-    adv_A = discounted_suffix_sum(delta_A, acts_B, cfg.gamma * cfg.lam)
-    adv_N = to_tokens(as_result_tensor(adv_A), idx_A, inputs.N)
-    # R = A + V on the packed stream in float32 (one pass, no second scatter): within an ulp of the float64 sum.
-    ret_N = torch.where(action_N, adv_N + inputs.values_N.to(adv_N.dtype), 0.0)
-    if cfg.whiten_advantages:
-        adv_N = to_tokens(as_result_tensor(whiten(adv_A)), idx_A, inputs.N)
+        work_A += kl_N.take(idx_A)
+    out_A = torch.take(inputs.values_N.to(torch.float32), idx_A, out=scratch("gae_out", A, torch.float32, dev))
+    v_A = scratch("gae_v", A, torch.float64, dev).copy_(out_A)  # mixed-dtype in-place ops copy behind the scenes
+    add_prev_in_row_(work_A, v_A, rows_B, cfg.gamma)
+    work_A.sub_(v_A)
+    discounted_prefix_sum_(work_A, rows_B, cfg.gamma * cfg.lam)
+    adv_N = to_tokens(out_A.copy_(whiten(work_A) if cfg.whiten_advantages else work_A), idx_A, inputs.N)
+    ret_N = to_tokens(out_A.copy_(work_A.add_(v_A)), idx_A, inputs.N)  # R = A + V in float64
     return adv_N, ret_N
 
 
 def token_level_gae(inputs: CreditInputs, cfg: CreditConfig, R_S: torch.Tensor, turn_S: dict,
                     metrics: dict) -> CreditResult:
     """Turn rewards ``R_S`` on the turns' last action tokens (+ KL in reward), GAE over action tokens."""
-    action_N = inputs.seg_id_N >= 0
+    closed = cfg.gamma == 1.0 and cfg.lam == 1.0
+    action_N = inputs.seg_id_N >= 0 if closed or cfg.kl_in_reward else None  # the scan needs no [N] mask
     kl_N = kl_reward_N(inputs, cfg, action_N)
-    if cfg.gamma == 1.0 and cfg.lam == 1.0:
+    if closed:
         adv_N, ret_N = gae_closed_form(inputs, R_S, kl_N, action_N)
         if cfg.whiten_advantages:
             adv_N = torch.where(action_N, whiten(adv_N.to(torch.float64), action_N), 0.0)
     else:
-        adv_N, ret_N = gae_scan(inputs, cfg, R_S, kl_N, action_N)
+        adv_N, ret_N = gae_scan(inputs, cfg, R_S, kl_N)
     return CreditResult(adv_N=as_result_tensor(adv_N), returns_N=as_result_tensor(ret_N), turn_S=turn_S,
                         metrics=metrics)
 

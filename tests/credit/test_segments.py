@@ -9,7 +9,10 @@ from hypothesis import strategies as st
 from fastcredit.credit import segments
 from fastcredit.credit.reference import group_advantage_reference
 from fastcredit.credit.segments import (
+    action_positions_last_first,
+    add_prev_in_row_,
     degenerate_groups,
+    discounted_prefix_sum_,
     discounted_suffix_sum,
     group_advantage,
     next_in_row,
@@ -52,21 +55,29 @@ def test_discounted_suffix_sum_long_rows_do_not_overflow(c):
     assert torch.allclose(y, _scan_loop(x.tolist(), rows.tolist(), c), rtol=1e-6, atol=1e-6)
 
 
-@settings(max_examples=80, deadline=None)
-@given(st.lists(st.integers(0, 150), min_size=1, max_size=10), st.sampled_from([0.3, 0.5, 0.7]),
-       st.integers(0, 2**31 - 1))
-def test_small_blocks_cut_rows_every_way(lengths, c, seed):
-    """Blocks of 25-84 elements (scales up to e^30 instead of 1e100): rows that start, end, span and
-    restart inside and across blocks, and empty rows, all against the recursion. c^K ≈ e^-30 keeps the
-    dropped carry of a carry below the tolerance."""
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.integers(0, 150), min_size=1, max_size=10), st.sampled_from([1e-3, 0.3, 0.7, 0.99, 1.0]),
+       st.sampled_from([2, 3, 5, 64]), st.integers(0, 2**31 - 1))
+def test_small_chunks_cut_rows_every_way(lengths, c, chunk, seed):
+    """Chunks of 2-5 elements (so the chunk-level scan recurses several levels) and scales capped at
+    e^30: rows that start, end, span and restart inside and across chunks, several starts in one
+    chunk, and empty rows, all against the recursion."""
     gen = torch.Generator().manual_seed(seed)
     rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     x = torch.randn(rows.numel(), generator=gen, dtype=torch.float64)
     expect = _scan_loop(x.tolist(), rows.tolist(), c)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(segments, "_SCALE_LOG_LIMIT", 30.0)
+        mp.setattr(segments, "_CHUNK", chunk)
         got = discounted_suffix_sum(x, torch.tensor(lengths), c)
     assert torch.allclose(got, expect, rtol=1e-9, atol=1e-9)
+
+
+def test_a_discount_below_1e_minus_50_adds_the_one_step_term():
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    got = discounted_suffix_sum(x * 1e60, torch.tensor([3, 1]), 1e-60)
+    assert torch.allclose(got, torch.tensor([1e60 + 2.0, 2e60 + 3.0, 3e60, 4e60], dtype=torch.float64),
+                          rtol=1e-15, atol=0)
 
 
 def test_discounted_suffix_sum_rejects_a_discount_above_one_and_rows_that_do_not_tile():
@@ -123,3 +134,52 @@ def test_next_in_row_and_whiten():
     tokens = torch.repeat_interleave(turn, counts)
     expect = (tokens - tokens.mean()) / torch.sqrt(tokens.var() + 1e-8)
     assert torch.allclose(torch.repeat_interleave(whiten(turn, counts), counts), expect)
+
+
+def test_action_positions_last_first_matches_the_mask():
+    # Turns (start, action length): actions at 0-1, none, 5-7, none at the end of one trajectory, 9.
+    start = torch.tensor([0, 3, 5, 8, 9])
+    alen = torch.tensor([2, 0, 3, 0, 1])
+    mask = torch.zeros(12, dtype=torch.bool)
+    for s0, n in zip(start.tolist(), alen.tolist()):
+        mask[s0:s0 + n] = True
+    assert action_positions_last_first(start, alen).tolist() == torch.nonzero(mask).flatten().flip(0).tolist()
+    assert action_positions_last_first(start, alen).tolist() == [9, 7, 6, 5, 1, 0]
+    assert action_positions_last_first(torch.tensor([0, 4]), torch.tensor([0, 0])).numel() == 0
+
+
+def test_add_prev_in_row_leaves_row_starts_bit_exact():
+    out = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5], dtype=torch.float64)
+    x = torch.tensor([1e8, 2.0, 3.0, 1e-9, 5.0], dtype=torch.float64)
+    add_prev_in_row_(out, x, torch.tensor([2, 0, 1, 2]), 0.5)
+    # Rows [0, 1], [2], [3, 4]: only elements 1 and 4 receive 0.5 * their predecessor.
+    assert out.tolist() == [0.1, 0.2 + 0.5e8, 0.3, 0.4, 0.5 + 0.5e-9]
+
+
+def test_prefix_scan_in_place_is_the_reversed_suffix_scan():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(50, dtype=torch.float64, generator=gen)
+    rows = torch.tensor([7, 0, 20, 23])
+    z = x.flip(0).contiguous()
+    got = discounted_prefix_sum_(z, rows.flip(0), 0.9)
+    assert got is z
+    assert torch.equal(got.flip(0), discounted_suffix_sum(x, rows, 0.9))
+    with pytest.raises(ValueError, match="contiguous float64"):
+        discounted_prefix_sum_(x.to(torch.float32), rows, 0.9)
+
+
+def test_scratch_buffers_are_reused_per_tag_and_thread():
+    import threading
+
+    a = segments.scratch("t", 100, torch.float64, "cpu")
+    b = segments.scratch("t", 60, torch.float64, "cpu")
+    assert b.numel() == 60 and b.data_ptr() == a.data_ptr()  # kept between calls
+    assert segments.scratch("u", 60, torch.float64, "cpu").data_ptr() != a.data_ptr()  # one per tag
+    assert segments.scratch("t", 60, torch.float32, "cpu").data_ptr() != a.data_ptr()  # and per dtype
+    grown = segments.scratch("t", 1000, torch.float64, "cpu")
+    assert grown.numel() == 1000
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(segments.scratch("t", 1000, torch.float64, "cpu").data_ptr()))
+    worker.start()
+    worker.join()
+    assert seen[0] != grown.data_ptr()  # another thread never shares a buffer
