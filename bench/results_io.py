@@ -4,30 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import re
+
+from fastcredit.profiling import device_name, device_slug  # noqa: F401  (re-exported for the benchmarks)
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def device_name(device: str = "cpu") -> str:
-    """The GPU's name for ``cuda``; else the CPU model (from /proc/cpuinfo where there is one) and torch's threads."""
-    import torch
-
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            found = re.search(r"model name\s*:\s*(.+)", f.read())
-            model = found.group(1).strip() if found else model
-    except OSError:
-        pass
-    return f"{model} ({torch.get_num_threads()} threads)"
-
-
-def device_slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
 
 
 def write_results(op: str, report: dict, out_dir: str = RESULTS_DIR) -> str:

@@ -121,6 +121,7 @@ class JudgesConfig:
     timeout_s: float = opt(60.0, "per-request timeout for an http judge")
     sleep_level: Literal[1, 2] = opt(1, "sleep level of a colocated judge with an engine of its own (the HF engine; a critic of the policy's architecture shares the policy's engine, fastcredit.judges.switch)")
     prm: Optional[str] = opt(None, "PiCA process reward model folder; 'oracle' uses the toy world's gold facts")
+    oracle_noise: float = opt(0.0, "probability that the oracle judge and oracle PRM flip each per-turn verdict (a noisy critic on the toy world; deterministic per run seed and trajectory)")
 
 
 @dataclass
@@ -172,6 +173,7 @@ class WarmStartConfig:
     lr: float = opt(3e-3, "warm-start learning rate (cosine decay)")
     batch_size: int = opt(16, "trajectories per warm-start step")
     questions: int = opt(0, "training questions used (0: all)")
+    cache_dir: Optional[str] = opt(None, "folder of cached warm starts: one made with the same data, model, retrieval, rollout and warmstart settings (any seed) is loaded instead of redone")
 
 
 @dataclass

@@ -104,6 +104,7 @@ RANGES: dict[str, Range] = {
     "judges.max_tokens": Range(COUNT),
     "judges.concurrency": Range(COUNT),
     "judges.timeout_s": Range(POS),
+    "judges.oracle_noise": Range(UNIT),
     "credit.lambda_f": Range(UNIT),
     "credit.format_bonus": Range(NONNEG),
     "credit.eps": Range(POS, "0 divides by zero in a group of equal rewards"),

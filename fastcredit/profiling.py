@@ -13,6 +13,8 @@ records only the steps between :func:`profiler_start` and :func:`profiler_stop`.
 from __future__ import annotations
 
 import contextlib
+import platform
+import re
 import time
 from collections import defaultdict
 from typing import Iterator
@@ -79,3 +81,22 @@ def profiler_stop() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
+
+
+def device_name(device: str = "cpu") -> str:
+    """The GPU's name for ``cuda``; else the CPU model (from /proc/cpuinfo where there is one) and torch's threads."""
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            found = re.search(r"model name\s*:\s*(.+)", f.read())
+            model = found.group(1).strip() if found else model
+    except OSError:
+        pass
+    return f"{model} ({torch.get_num_threads()} threads)"
+
+
+def device_slug(name: str) -> str:
+    """``name`` as a file-name part: runs of other characters become one underscore."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")

@@ -10,7 +10,11 @@ only: prompt and observation tokens are context.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
+import pickle
 import random
 from typing import Callable, Optional, Sequence
 
@@ -109,3 +113,37 @@ def sft_train(model, seqs: list[tuple[list[int], list[int]]], pad_id: int, epoch
     opt.zero_grad(set_to_none=True)  # no stale gradients leak into the RL optimizer or a checkpoint load
     model.eval()
     return history
+
+
+# The config sections a warm start depends on; the run seed is left out on purpose, so runs that differ only in
+# seed (a comparison over seeds) share one warm start.
+WARM_START_KEYS = ("data", "model", "retrieval", "rollout", "warmstart")
+
+
+def warm_start_fingerprint(cfg_dict: dict) -> str:
+    """A digest of the config that determines the warm-started weights (``WARM_START_KEYS``, minus the cache folder)."""
+    part = {k: cfg_dict[k] for k in WARM_START_KEYS}
+    part["warmstart"] = {k: v for k, v in part["warmstart"].items() if k != "cache_dir"}
+    part["data"] = {k: v for k, v in part["data"].items() if k != "world_dir"}
+    return hashlib.sha256(json.dumps(part, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cached_warm_start(model, folder: Optional[str], fingerprint: str, run: Callable[[], str], say: Callable) -> None:
+    """Warm-start ``model`` with ``run()`` (which returns a summary line), or load the weights a run with the same
+    fingerprint saved in ``folder``; a new warm start is saved there (written whole, then renamed)."""
+    path = None if not folder else os.path.join(folder, f"warmstart_{fingerprint}.pt")
+    if path and os.path.exists(path):
+        try:
+            model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        except (RuntimeError, OSError, ValueError, EOFError, pickle.UnpicklingError) as exc:
+            raise RuntimeError(f"{path}: cannot load the cached warm start ({exc}); delete it to warm-start again") \
+                from None
+        say(f"warm start: loaded from {path}")
+        return
+    say(run())
+    if path:
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
+        os.replace(tmp, path)
+        say(f"warm start: saved to {path}")

@@ -119,21 +119,26 @@ class Trainer:
             o.grad_clip, self.compute_dtype)
 
     def _warm_start(self, lm) -> None:
-        """SFT on oracle trajectories; observations come from the run's own searcher, as in rollouts."""
-        from fastcredit.sft import sft_sequences, sft_train
+        """SFT on oracle trajectories; observations come from the run's own searcher, as in rollouts. With
+        ``warmstart.cache_dir`` a warm start of the same config is loaded instead of redone (``sft.cached_warm_start``)."""
+        from fastcredit.sft import cached_warm_start, sft_sequences, sft_train, warm_start_fingerprint
 
         w = self.cfg.warmstart
-        examples = [ex for ex in self.data.train if ex.metadata.get("hops")]
-        examples = examples[: w.questions] if w.questions else examples
-        queries = sorted({h["query"] for ex in examples for h in ex.metadata["hops"]})
-        t0 = time.time()
-        obs = dict(zip(queries, (o for o, _ in self.searcher(queries))))
-        seqs = sft_sequences(examples, self._prompt_ids(examples), self.tokenizer,
-                             obs.__getitem__, seed=self.cfg.seed)
-        losses = sft_train(lm, seqs, self.pad_id, w.epochs, w.lr, w.batch_size, self.cfg.seed, str(self.info.device),
-                           progress=self.cfg.logging.progress and self.info.is_main)
-        self.say(f"warm start: {len(seqs)} oracle trajectories x {w.epochs} epochs in {time.time() - t0:.0f} s, "
-                  f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+
+        def run() -> str:
+            examples = [ex for ex in self.data.train if ex.metadata.get("hops")]
+            examples = examples[: w.questions] if w.questions else examples
+            queries = sorted({h["query"] for ex in examples for h in ex.metadata["hops"]})
+            t0 = time.time()
+            obs = dict(zip(queries, (o for o, _ in self.searcher(queries))))
+            seqs = sft_sequences(examples, self._prompt_ids(examples), self.tokenizer,
+                                 obs.__getitem__, seed=self.cfg.seed)
+            losses = sft_train(lm, seqs, self.pad_id, w.epochs, w.lr, w.batch_size, self.cfg.seed,
+                               str(self.info.device), progress=self.cfg.logging.progress and self.info.is_main)
+            return (f"warm start: {len(seqs)} oracle trajectories x {w.epochs} epochs in {time.time() - t0:.0f} s, "
+                    f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+
+        cached_warm_start(lm, w.cache_dir, warm_start_fingerprint(to_dict(self.cfg)), run, self.say)
         lm.requires_grad_(True).train()
 
     def _build_rollout(self) -> None:
@@ -243,6 +248,8 @@ class Trainer:
         metrics = {k: sum(r[k] for r in round_metrics) / rounds for k in round_metrics[0]}
         if ds.enabled:
             metrics.update({f"dapo/{k}": v for k, v in decision.metrics.items()})
+        if self.proceed_hook is not None:
+            metrics.update({f"proceed/{k}": float(v) for k, v in self.proceed_hook.take_stats().items()})
         if len(parts) == 1 and not ds.enabled:
             return result, examples, reward, metrics
         batch = concat([p[0].batch for p in parts])

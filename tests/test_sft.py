@@ -87,3 +87,33 @@ def test_warm_start_lowers_the_loss_and_leaves_no_gradients(world, tokenizer):
     losses = sft_train(lm, seqs, pad_id=0, epochs=6, lr=1e-2, batch_size=8, progress=False)
     assert len(losses) == 6 and losses[-1] < 0.7 * losses[0], losses
     assert not lm.training and all(p.grad is None for p in lm.parameters())
+
+
+def test_cached_warm_start_is_made_once_and_keyed_without_the_seed(tmp_path):
+    from fastcredit.config import load_config, to_dict
+    from fastcredit.sft import cached_warm_start, warm_start_fingerprint
+
+    base = to_dict(load_config(None, []))
+    assert warm_start_fingerprint(base) == warm_start_fingerprint(to_dict(load_config(None, ["seed=7"])))
+    assert warm_start_fingerprint(base) == warm_start_fingerprint(
+        to_dict(load_config(None, ["warmstart.cache_dir=/x", "credit.estimator=ppo", "data.world_dir=/w"])))
+    assert warm_start_fingerprint(base) != warm_start_fingerprint(to_dict(load_config(None, ["warmstart.epochs=9"])))
+    said, runs = [], []
+    made = torch.nn.Linear(3, 2)
+
+    def run():
+        runs.append(1)
+        with torch.no_grad():
+            made.weight.fill_(0.25)
+        return "trained"
+
+    cached_warm_start(made, str(tmp_path), "abc", run, said.append)
+    fresh = torch.nn.Linear(3, 2)
+    cached_warm_start(fresh, str(tmp_path), "abc", run, said.append)
+    assert runs == [1] and torch.equal(fresh.weight, made.weight)
+    assert said[0] == "trained" and said[-1].startswith("warm start: loaded from")
+    cached_warm_start(torch.nn.Linear(3, 2), str(tmp_path), "other", run, said.append)  # another config: trains
+    assert runs == [1, 1]
+    (tmp_path / "warmstart_bad.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(RuntimeError, match="warmstart_bad.pt: cannot load the cached warm start"):
+        cached_warm_start(torch.nn.Linear(3, 2), str(tmp_path), "bad", run, said.append)

@@ -98,7 +98,7 @@ def make_questions(cfg, ents: dict, facts: dict, rng: random.Random) -> list:
     # Every askable (template, subject) pair, shuffled per hop count: drawing without
     # replacement keeps questions distinct and fails at once when too few exist.
     pools = {}
-    for h in range(1, cfg.max_hops + 1):
+    for h in range(cfg.min_hops, cfg.max_hops + 1):
         pool = [(chain, template, x) for chain, template in QUESTIONS if len(chain) == h
                 for x in by_type[RELATIONS[chain[0]].subject] if _reaches(ents, x, chain)]
         rng.shuffle(pool)
@@ -109,7 +109,7 @@ def make_questions(cfg, ents: dict, facts: dict, rng: random.Random) -> list:
                          f"(it has {available}); add entities or ask for fewer questions")
     out = []
     for _ in range(cfg.num_questions):
-        # Hop count first, uniformly among those left: questions spread evenly over 1..max_hops.
+        # Hop count first, uniformly among those left: questions spread evenly over min_hops..max_hops.
         chain, template, x = pools[rng.choice([h for h, p in pools.items() if p])].pop()
         hops = _walk(ents, facts, x, chain)
         answer = hops[-1]["answer"]

@@ -8,7 +8,7 @@ headquartered_in, lead_singer, formed_in). The corpus states each fact in a shor
 about one entity. Two kinds of distractors make retrieval need precision: *twins*, entities
 whose names differ from another's by one letter ("Varo Keltan" / "Varo Keltin") with
 passages of their own, and *mention* passages that name an entity next to other entities
-without stating any relation. Questions take 1 to 3 hops; each hop carries its gold
+without stating any relation. Questions take 1 to 3 hops (``min_hops`` .. ``max_hops``); each hop carries its gold
 sub-query, sub-answer and the passages that state the fact (PiCA's pivot labels and the
 oracle judges' ground truth: ``fastcredit.data.toyqa``, where the questions are made and read).
 
@@ -56,6 +56,7 @@ class ToyWorldConfig:
     distractor_fraction: float = opt(0.25, "share of entities given an extra passage that names other entities but states no relation")
     married_fraction: float = opt(0.5, "share of people who are married (in pairs)")
     num_questions: int = opt(1000, "questions generated, train and test together")
+    min_hops: int = opt(1, "shortest question chain (1 to max_hops); e.g. 2 leaves out the one-search questions")
     max_hops: int = opt(3, "longest question chain (1 to 3); hop counts are drawn uniformly")
     test_fraction: float = opt(0.1, "share of the questions in the test split")
 
@@ -269,6 +270,7 @@ def _check_config(cfg: ToyWorldConfig) -> None:
     problems = [(getattr(cfg, name) >= 0, f"{name} must not be negative, got {getattr(cfg, name)}") for name in counts]
     problems += [
         (1 <= cfg.max_hops <= 3, f"max_hops must be 1, 2 or 3, got {cfg.max_hops}"),
+        (1 <= cfg.min_hops <= cfg.max_hops, f"min_hops must be in [1, max_hops = {cfg.max_hops}], got {cfg.min_hops}"),
         (cfg.num_countries >= 1, f"num_countries must be at least 1, got {cfg.num_countries}"),
         (cfg.num_cities >= cfg.num_countries,
          f"num_cities ({cfg.num_cities}) must be at least num_countries ({cfg.num_countries})"),

@@ -41,7 +41,7 @@ def make_backend(cfg: TrainConfig, policy_engine, device: torch.device, policy_c
             raise ValueError("judges.backend=oracle answers from the toy world's gold facts: it needs data.source=toy")
         from fastcredit.judges.oracle import OracleBackend
 
-        return OracleBackend()
+        return OracleBackend(j.oracle_noise, cfg.seed)
     if j.backend == "http":
         return HTTPBackend(j.url, j.model or "judge", j.temperature, j.max_tokens, j.concurrency, j.timeout_s, **s)
     if not j.model:  # colocated self-critic: the policy's own engine
@@ -89,6 +89,7 @@ class JudgePhase:
             if kind == "critic" else None
         self.judge = CWGRPOJudge(backend, cfg.credit.critic.retries) if kind == "round_judge" else None
         self.prm = cfg.judges.prm if kind == "prm" else None
+        self.oracle_noise, self.seed = cfg.judges.oracle_noise, cfg.seed
         self.prm_scorer = None  # a trained PRM folder (PRMScorer) or PiCA's reward server (PiCARewardClient)
         if self.prm is not None and self.prm != "oracle":
             self.prm_scorer = build_prm_scorer(cfg, device)
@@ -117,7 +118,8 @@ class JudgePhase:
             from fastcredit.judges.oracle import oracle_prm
             from fastcredit.prm.scorer import scores_to_inputs
 
-            f0, f = oracle_prm(examples, result.episodes)
+            f0, f = oracle_prm(examples, result.episodes, self.oracle_noise, self.seed)
+            metrics["prm/requests"] = float(len(examples))  # one scoring per trajectory, as a trained PRM's
             extras.update(zip(("prm_f0_B", "prm_f_S", "prm_hazard_S"), scores_to_inputs(split_turns(f0, f, result))))
         elif self.prm_scorer is not None:
             f0, f, h = self.prm_scorer.score(examples, result.episodes)

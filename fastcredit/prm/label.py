@@ -97,7 +97,8 @@ def rule_pivots(items: Sequence) -> list[list[int]]:
     """The toy world's pivot labels of each :class:`~fastcredit.judges.types.JudgeItem` (see the module docstring)."""
     from fastcredit.judges.oracle import OracleBackend
 
-    return [[int(p) for p in OracleBackend.pivots(it)] for it in items]
+    oracle = OracleBackend()
+    return [[int(p) for p in oracle.pivots(it)] for it in items]
 
 
 def judge_pivots(labeller, items: Sequence, subs: Sequence) -> tuple[list[Optional[list[int]]], dict]:

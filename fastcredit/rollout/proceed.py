@@ -59,6 +59,11 @@ class ProceedHook:
         self.tau, self.max_rewinds, self.self_refine, self.describe = tau, max_rewinds, self_refine, describe
         self.stats = {"critiqued_steps": 0, "rewinds": 0, "critic_failures": 0}
 
+    def take_stats(self) -> dict:
+        """The counts since the last call (critiqued steps, rewinds, critic failures), then zeroed."""
+        out, self.stats = self.stats, dict.fromkeys(self.stats, 0)
+        return out
+
     async def __call__(self, loop: AgentLoop, e: Episode, search) -> None:
         if not e.meta.get("proceed") or e.meta.get("rewinds", 0) >= self.max_rewinds or not e.steps:
             return

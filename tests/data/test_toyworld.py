@@ -173,6 +173,13 @@ def test_max_hops_bounds_the_questions():
         assert {q.metadata["num_hops"] for q in world.questions} == set(range(1, max_hops + 1))
 
 
+def test_min_hops_leaves_out_the_short_questions():
+    world = generate_world(ToyWorldConfig(seed=5, min_hops=2, max_hops=3, **SMALL))
+    assert {q.metadata["num_hops"] for q in world.questions} == {2, 3}
+    with pytest.raises(ValueError, match=r"min_hops must be in \[1, max_hops = 2\], got 3"):
+        generate_world(ToyWorldConfig(min_hops=3, max_hops=2, **SMALL))
+
+
 def test_oracle_helpers():
     q = QAExample("q", "?", ["a"], "toyworld", {"hops": [{"passage_ids": ["3", "9"]}, {"passage_ids": ["4"]}]})
     assert gold_fact_passages(q) == [{"3", "9"}, {"4"}]

@@ -3,6 +3,7 @@ counts, deduplication, the HTTP backend against a local server, and the toy-worl
 import asyncio
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -160,3 +161,37 @@ def test_oracle_labels_new_gold_facts(tmp_path):
     assert u.tolist()[:2] == [1.0, 0.0] and v.tolist()[:2] == [1.0, 0.0]
     score, critique = asyncio.run(ProcessCritic(OracleBackend()).ascore_step("q", "", "a", "o", item=item, turn=1))
     assert score == 1 and critique
+
+
+def test_noisy_oracle_flips_at_its_rate_and_the_same_way_twice():
+    from fastcredit.data.toyworld import ToyWorldConfig, generate_world
+    from fastcredit.judges.oracle import flipped, oracle_prm
+
+    rate = sum(flipped(0.2, 7, f"q{i}", 0, "new_hop", ["<search>x</search>"]) for i in range(5000)) / 5000
+    assert 0.18 < rate < 0.22
+    assert not any(flipped(0.0, 7, f"q{i}", 0, "new_hop", ["a"]) for i in range(100))
+    assert all(flipped(1.0, 7, f"q{i}", 0, "new_hop", ["a"]) for i in range(100))
+    # Deterministic in (seed, question, turn, kind, actions so far); later actions do not matter.
+    assert flipped(0.5, 1, "q", 0, "k", ["a", "b"]) == flipped(0.5, 1, "q", 0, "k", ["a", "c"])
+    world = generate_world(ToyWorldConfig(num_people=60, num_companies=15, num_questions=30))
+    ex = next(q for q in world.questions if len(q.metadata["hops"]) >= 2)
+    gold = ex.metadata["hops"][0]["passage_ids"][:1]
+    steps = [StepText("search", f"<search>{i}</search>", "o", str(i), gold if i == 0 else ["x"]) for i in range(3)]
+    item = JudgeItem(ex.question, ex.golden_answers, steps, None, 0.0, {"example": ex})
+    assert OracleBackend().new_hops(item) == [True, False, False]
+    always = OracleBackend(noise=1.0).new_hops(item)
+    assert always == [False, True, True]
+    # The oracle PRM reads the same flips: with p = 1 the found count drifts the other way, within [0, hops].
+
+    class Step:
+        def __init__(self, s):
+            self.action_text, self.retrieved_ids = s.action, s.retrieved_ids
+
+    class Ep:
+        steps = [Step(s) for s in item.steps]
+
+    n = len(ex.metadata["hops"])
+    _, f_exact = oracle_prm([ex], [Ep()])
+    _, f_flip = oracle_prm([ex], [Ep()], noise=1.0)
+    assert f_exact.tolist() == pytest.approx([1.5 / (n + 1)] * 3)
+    assert f_flip.tolist() == pytest.approx([0.5 / (n + 1), 1.5 / (n + 1), 2.5 / (n + 1)])

@@ -1,0 +1,139 @@
+"""The report of ``python -m fastcredit.compare``: one table and one plot over every finished run.
+
+Per method (and noisy-judge variant): held-out EM at the start and at the end, mean ± 95%
+interval over seeds (Student's t; one seed has no interval), the difference to GRPO, the
+steps to reach a threshold EM (mean over the seeds that reach it, and how many do), seconds
+per step and judge calls per step. Written to ``<out>/compare_<name>_<device>.{md,json,png}``.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+from typing import Optional
+
+from fastcredit.profiling import device_name, device_slug
+
+# Two-sided 97.5% quantiles of Student's t for 1..10 degrees of freedom; 1.96 beyond.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def mean_interval(xs: list[float]) -> tuple[float, Optional[float]]:
+    """``(mean, half-width of the 95% interval)``; the half-width is None for fewer than two values."""
+    n = len(xs)
+    mean = sum(xs) / n
+    if n < 2:
+        return mean, None
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+    return mean, (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * sd / math.sqrt(n)
+
+
+def load_results(runs: str, labels: list[str]) -> dict[str, list[dict]]:
+    """``label → [result.json of each finished seed]`` (labels without a finished run are left out)."""
+    out = {}
+    for label in labels:
+        rows = []
+        for path in sorted(glob.glob(os.path.join(runs, label, "seed*", "result.json"))):
+            with open(path, encoding="utf-8") as fh:
+                rows.append(json.load(fh))
+        if rows:
+            out[label] = rows
+    return out
+
+
+def _curve(r: dict) -> list[tuple[int, float]]:
+    return sorted((int(k), v) for k, v in r["eval_em"].items())
+
+
+def steps_to(r: dict, threshold: float) -> Optional[int]:
+    """The first evaluated step (after 0) whose held-out EM reaches ``threshold``; None if none does."""
+    return next((s for s, em in _curve(r) if s > 0 and em >= threshold), None)
+
+
+def summarize(results: dict[str, list[dict]], threshold: Optional[float]) -> dict:
+    """The table's numbers per label, and the threshold used."""
+    finals = {label: [_curve(r)[-1][1] for r in rows] for label, rows in results.items()}
+    if threshold is None and finals:
+        base = "grpo" if "grpo" in finals else next(iter(finals))
+        threshold = sum(finals[base]) / len(finals[base])
+    base_mean = sum(finals["grpo"]) / len(finals["grpo"]) if "grpo" in finals else None
+    table = {}
+    for label, rows in results.items():
+        final, ci = mean_interval(finals[label])
+        start, _ = mean_interval([_curve(r)[0][1] for r in rows])
+        reached = [s for s in (steps_to(r, threshold) for r in rows) if s is not None]
+        secs = [r["seconds_per_step"] for r in rows if r.get("seconds_per_step") is not None]
+        table[label] = {
+            "seeds": [r["seed"] for r in rows], "start_em": start, "final_em": final, "final_em_ci95": ci,
+            "final_em_per_seed": finals[label], "vs_grpo": None if base_mean is None else final - base_mean,
+            "steps": max(r["steps"] for r in rows),
+            "steps_to_threshold": sum(reached) / len(reached) if reached else None,
+            "reached_threshold": f"{len(reached)}/{len(rows)}",
+            "seconds_per_step": sum(secs) / len(secs) if secs else None,
+            "judge_calls_per_step": sum(r["judge_calls_per_step"] for r in rows) / len(rows),
+        }
+    return {"threshold": threshold, "methods": table}
+
+
+def _fmt(x: Optional[float], spec: str = ".3f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def format_markdown(summary: dict, device: str, name: str) -> str:
+    thr = summary["threshold"]
+    lines = [f"# Turn-level credit at toy scale: `{name}` — {device}", "",
+             f"Held-out EM (greedy) of each method from the same warm start; mean ± 95% interval over seeds. "
+             f"Steps to EM ≥ {_fmt(thr)} (the default threshold is GRPO's final mean): mean over the seeds that "
+             f"reach it.", "",
+             "| method | seeds | EM at start | final EM | vs GRPO | steps to threshold (reached) | s / step | "
+             "judge calls / step |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, t in summary["methods"].items():
+        ci = "" if t["final_em_ci95"] is None else f" ± {t['final_em_ci95']:.3f}"
+        vs = "–" if t["vs_grpo"] is None or label == "grpo" else f"{t['vs_grpo']:+.3f}"
+        lines.append(f"| {label} | {len(t['seeds'])} | {t['start_em']:.3f} | {t['final_em']:.3f}{ci} | {vs} | "
+                     f"{_fmt(t['steps_to_threshold'], '.0f')} ({t['reached_threshold']}) | "
+                     f"{_fmt(t['seconds_per_step'], '.1f')} | {t['judge_calls_per_step']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, list[dict]], path: str, title: str) -> None:
+    """Held-out EM against step: the mean per method and a band from the lowest to the highest seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, rows in results.items():
+        steps = sorted(set.intersection(*(set(s for s, _ in _curve(r)) for r in rows)))
+        per = [[dict(_curve(r))[s] for r in rows] for s in steps]
+        mean = [sum(v) / len(v) for v in per]
+        line, = ax.plot(steps, mean, marker="o", ms=3, label=label, ls="--" if "+noise" in label else "-")
+        if len(rows) > 1:
+            ax.fill_between(steps, [min(v) for v in per], [max(v) for v in per], color=line.get_color(), alpha=0.15)
+    ax.set(xlabel="training step", ylabel="held-out EM (greedy)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(runs: str, labels: list[str], out_dir: str, name: str, threshold: Optional[float] = None) -> list[str]:
+    """Write the markdown table, the JSON and the PNG; returns their paths (nothing when no run has finished)."""
+    results = load_results(runs, labels)
+    if not results:
+        print(f"no finished runs under {runs}: nothing to report")
+        return []
+    device = device_name()
+    summary = summarize(results, threshold)
+    base = os.path.join(out_dir, f"compare_{name}_{device_slug(device)}")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(base + ".md", "w", encoding="utf-8") as fh:
+        fh.write(format_markdown(summary, device, name))
+    with open(base + ".json", "w", encoding="utf-8") as fh:
+        json.dump({"device": device, "name": name, **summary,
+                   "curves": {k: [r["eval_em"] for r in rows] for k, rows in results.items()}}, fh, indent=1)
+    plot(results, base + ".png", f"{name}: held-out EM ({device})")
+    return [base + ".md", base + ".json", base + ".png"]
