@@ -76,6 +76,7 @@ RANGES: dict[str, Range] = {
     "data.toy.distractor_fraction": Range(UNIT),
     "data.toy.married_fraction": Range(UNIT),
     "data.toy.num_questions": Range(COUNT),
+    "data.toy.min_hops": Range("[1, 3]", "at most data.toy.max_hops"),
     "data.toy.max_hops": Range("[1, 3]"),
     "data.toy.test_fraction": Range("[0, 1)"),
     "data.max_prompt_tokens": Range(COUNT),
