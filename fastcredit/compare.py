@@ -2,13 +2,15 @@
 
     python -m fastcredit.compare --config configs/compare.yaml --methods grpo,ppo,criticsearch,cwgrpo,proceed,pica --seeds 3
     python -m fastcredit.compare --config configs/compare.yaml --quick          # 1 seed, half the steps
+    python -m fastcredit.compare --config configs/compare.yaml --jobs 2        # two runs side by side
     nohup python -m fastcredit.compare --config configs/compare.yaml > runs/compare.log 2>&1 &   # in the background
 
 One warm start is made (or loaded: ``warmstart.cache_dir``) and shared by every run; then each
 method trains for the same steps, prompts and samples with the toy world's oracle judges, and,
 for the methods that have a judge, once more with a noisy oracle (``--noise p``: each verdict
-flipped with probability p, ``judges.oracle_noise``). Runs go one after another, each a
-``python -m fastcredit.train`` process with its own folder under ``--runs``; a finished run is
+flipped with probability p, ``judges.oracle_noise``). Runs go one after another (``--jobs N``: N
+at a time once the first has made the world, index and warm start, the cores shared out among
+them), each a ``python -m fastcredit.train`` process with its own folder under ``--runs``; a finished run is
 not redone and an interrupted one resumes from its last checkpoint, so the command can simply
 be started again. The report (``fastcredit.compare_report``) goes to
 ``<out>/compare_<name>_<device>.{md,json,png}``: held-out EM per method (mean ± 95% interval
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -58,6 +61,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--seeds", type=int, default=3, help="seeds per method (the config's seed, +1, +2, ...)")
     p.add_argument("--noise", type=float, default=0.2, help="noisy-oracle variants of the judged methods (0: none)")
     p.add_argument("--quick", action="store_true", help=f"1 seed and {QUICK_STEP_SHARE:.0%} of the steps")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at a time once the warm start is made, each with cores/jobs torch threads (seconds per "
+                        "step are then measured side by side)")
     p.add_argument("--runs", default=None, help="folder of the runs (default: runs/<run_name>)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="where the report goes")
     p.add_argument("--threshold", type=float, default=None,
@@ -73,6 +79,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--methods: unknown {', '.join(unknown) or '(none given)'}; valid: {', '.join(METHODS)}")
     if args.seeds < 1:
         p.error(f"--seeds must be at least 1, got {args.seeds}")
+    if args.jobs < 1:
+        p.error(f"--jobs must be at least 1, got {args.jobs}")
     if not 0.0 <= args.noise <= 1.0:
         p.error(f"--noise must be in [0, 1], got {args.noise}")
     args.methods = methods
@@ -94,75 +102,151 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def summarize_run(rows: list[dict]) -> dict:
-    """Held-out EM by step, mean seconds per step and judge calls per step from a run's metrics lines."""
+    """From a run's metrics lines: held-out EM by step, the mean seconds per step, judge calls per step and share of
+    advantage tokens against their trajectory's outcome (``credit/against_outcome_frac``) over the training steps."""
     em = {}
-    secs, calls, steps = [], [], 0
+    secs, calls, against, steps = [], [], [], 0
     for r in rows:
         step = int(r.get("step", 0))
         if "eval/em" in r:
             em[step] = float(r["eval/em"])
         if "time/step" in r:
             secs.append(float(r["time/step"]))
+        if "credit/against_outcome_frac" in r:
+            against.append(float(r["credit/against_outcome_frac"]))
         if "reward" in r:  # a training step's line
             steps = max(steps, step)
             calls.append(sum(float(v) for k, v in r.items() if k.endswith("/requests") or k == "proceed/critiqued_steps"))
-    return {"eval_em": {str(k): em[k] for k in sorted(em)}, "steps": steps,
-            "seconds_per_step": sum(secs) / len(secs) if secs else None,
-            "judge_calls_per_step": sum(calls) / len(calls) if calls else 0.0}
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    return {"eval_em": {str(k): em[k] for k in sorted(em)}, "steps": steps, "seconds_per_step": mean(secs),
+            "judge_calls_per_step": mean(calls) or 0.0, "against_outcome_frac": mean(against)}
 
 
-def run_one(cmd: list[str], folder: str, label: str, total_steps: int) -> int:
-    """One training run in a subprocess, its output in ``folder/train.log``; prints progress from metrics.jsonl."""
-    os.makedirs(folder, exist_ok=True)
-    log = os.path.join(folder, "train.log")
-    metrics = os.path.join(folder, "metrics.jsonl")
-    with open(log, "a", encoding="utf-8") as fh:
-        fh.write(f"\n$ {' '.join(cmd)}\n")
-        fh.flush()
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
-        last = -1
-        while proc.poll() is None:
-            time.sleep(2.0)
-            done = summarize_run(read_metrics(metrics))["steps"] if os.path.exists(metrics) else 0
-            if done != last:
-                print(f"  {label}: step {done}/{total_steps}", flush=True)
-                last = done
-    return proc.returncode
+# Lines of a run's console that are its step table (header and rows) or a progress bar's redraws: not relayed.
+_TABLE_LINE = re.compile(r"^\s*(step\s|\d+\s)|\r")
+
+
+class _LogTail:
+    """The status lines (index build, warm start, held-out EM, errors) a run's log gains, printed as they come."""
+
+    def __init__(self, path: str, label: str):
+        self.fh = open(path, encoding="utf-8", errors="replace", newline="")  # newline="": a bar's \r stays visible
+        self.fh.seek(0, os.SEEK_END)
+        self.label, self.partial = label, ""
+
+    def relay(self, final: bool = False) -> None:
+        lines = (self.partial + self.fh.read()).split("\n")
+        self.partial = "" if final else lines.pop()  # a line still being written waits for its end
+        for line in lines:
+            if line.strip() and not _TABLE_LINE.search(line) and not line.startswith("$ "):
+                print(f"  {self.label}: {line.rstrip()}", flush=True)
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+def run_threads(jobs: int) -> Optional[int]:
+    """Torch threads of each run when ``jobs`` run side by side: the cores shared out, at most ``$OMP_NUM_THREADS``
+    where that is set; None (torch's default) for one run at a time."""
+    if jobs <= 1:
+        return None
+    share = max(1, (os.cpu_count() or 1) // jobs)
+    cap = os.environ.get("OMP_NUM_THREADS", "")
+    return min(share, int(cap)) if cap.isdigit() and int(cap) > 0 else share
+
+
+class _Run:
+    """One training run in a subprocess, its output in ``folder/train.log``; :meth:`poll` prints its progress
+    (steps from metrics.jsonl, status lines from the log) and, once it has ended, writes ``result.json``."""
+
+    def __init__(self, cmd: list[str], folder: str, label: str, seed: int, total_steps: int, tag: str,
+                 threads: Optional[int]):
+        os.makedirs(folder, exist_ok=True)
+        self.folder, self.label, self.seed, self.total, self.tag = folder, label, seed, total_steps, tag
+        self.log = os.path.join(folder, "train.log")
+        self.metrics = os.path.join(folder, "metrics.jsonl")
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
+        self.out = open(self.log, "a", encoding="utf-8")
+        self.tail = _LogTail(self.log, f"{label} seed {seed}")
+        self.out.write(f"\n$ {' '.join(cmd)}\n")
+        self.out.flush()
+        self.t0, self.last = time.time(), -1
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+
+    def ready(self) -> bool:
+        """Whether the run has written metrics (its world, index and warm start exist by then)."""
+        return os.path.exists(self.metrics) and os.path.getmtime(self.metrics) >= self.t0
+
+    def poll(self) -> Optional[int]:
+        """None while the run goes on; then its exit status (0: ``result.json`` written)."""
+        rc = self.proc.poll()
+        self.tail.relay(final=rc is not None)
+        done = summarize_run(read_metrics(self.metrics))["steps"] if os.path.exists(self.metrics) else 0
+        if done != self.last:
+            print(f"  {self.label} seed {self.seed}: step {done}/{self.total}", flush=True)
+            self.last = done
+        if rc is None:
+            return None
+        self.tail.close()
+        self.out.close()
+        if rc == 0:
+            summary = summarize_run(read_metrics(self.metrics))
+            summary.update(method=self.label, seed=self.seed, wall_s=time.time() - self.t0)
+            result = os.path.join(self.folder, "result.json")
+            with open(result + ".tmp", "w", encoding="utf-8") as fh:
+                json.dump(summary, fh, indent=1)
+            os.replace(result + ".tmp", result)
+            print(f"{self.tag} {self.label} seed {self.seed}: held-out EM {summary['eval_em'].get(str(summary['steps']))}"
+                  f" after {summary['steps']} steps, {time.time() - self.t0:.0f} s", flush=True)
+        return rc
 
 
 def run_all(args, overrides: list[str], cfg) -> Optional[str]:
-    """Every (variant, seed) run not finished yet; returns the failed run's log, None when all finished."""
+    """Every (variant, seed) run not finished yet, ``args.jobs`` at a time once the first has made what they share;
+    returns the log of a run that failed (the others started still finish), None when all finished."""
+    from fastcredit.sft import warm_start_seed
+
     total = cfg.optim.total_steps if not args.quick else max(1, int(cfg.optim.total_steps * QUICK_STEP_SHARE))
+    cache = os.path.join(args.runs, "warmstart")
+    # every seed starts from the warm start of the config's seed (made by the first run, loaded by the others)
     shared = ["--config", args.config, *overrides, f"optim.total_steps={total}", "logging.progress=false",
-              f"warmstart.cache_dir={os.path.join(args.runs, 'warmstart')}"]
+              f"warmstart.seed={warm_start_seed(cfg)}", f"warmstart.cache_dir={cache}"]
+    threads = run_threads(args.jobs)
     todo = [(label, extra, cfg.seed + k) for label, extra in variants(args.methods, args.noise)
             for k in range(args.seeds)]
+    pending, running, failed, ready = [], [], None, False
     for i, (label, extra, seed) in enumerate(todo, 1):
         folder = os.path.join(args.runs, label, f"seed{seed}")
-        result = os.path.join(folder, "result.json")
-        if os.path.exists(result):
+        if os.path.exists(os.path.join(folder, "result.json")):
             print(f"[{i}/{len(todo)}] {label} seed {seed}: done before, kept", flush=True)
-            continue
-        cmd = [sys.executable, "-m", "fastcredit.train", *shared, *extra, f"seed={seed}",
-               f"run_name={cfg.run_name}-{label}-seed{seed}", f"logging.output_dir={folder}"]
-        ckpt = os.path.join(folder, "checkpoints")
-        if os.path.isdir(ckpt) and os.listdir(ckpt):
-            cmd.append("--resume")
-        print(f"[{i}/{len(todo)}] {label} seed {seed}{' (resuming)' if '--resume' in cmd else ''}", flush=True)
-        t0 = time.time()
-        rc = run_one(cmd, folder, label, total)
-        if rc != 0:
-            return os.path.join(folder, "train.log")
-        summary = summarize_run(read_metrics(os.path.join(folder, "metrics.jsonl")))
-        summary.update(method=label, seed=seed, wall_s=time.time() - t0)
-        with open(result + ".tmp", "w", encoding="utf-8") as fh:
-            json.dump(summary, fh, indent=1)
-        os.replace(result + ".tmp", result)
-        final = summary["eval_em"].get(str(summary["steps"]))
-        print(f"[{i}/{len(todo)}] {label} seed {seed}: held-out EM {final} after {summary['steps']} steps, "
-              f"{time.time() - t0:.0f} s", flush=True)
-    return None
+        else:
+            pending.append((f"[{i}/{len(todo)}]", label, extra, seed, folder))
+    while pending or running:
+        # one run at a time until a run has written metrics: the shared world, index and warm start are then on
+        # disk, made once
+        ready = ready or any(r.ready() for r in running)
+        slots = args.jobs if ready else 1
+        while pending and failed is None and len(running) < slots:
+            tag, label, extra, seed, folder = pending.pop(0)
+            cmd = [sys.executable, "-m", "fastcredit.train", *shared, *extra, f"seed={seed}",
+                   f"run_name={cfg.run_name}-{label}-seed{seed}", f"logging.output_dir={folder}"]
+            ckpt = os.path.join(folder, "checkpoints")
+            if os.path.isdir(ckpt) and os.listdir(ckpt):
+                cmd.append("--resume")
+            print(f"{tag} {label} seed {seed}{' (resuming)' if '--resume' in cmd else ''}", flush=True)
+            running.append(_Run(cmd, folder, label, seed, total, tag, threads))
+        if failed is not None and not running:
+            break
+        time.sleep(2.0)
+        for run in list(running):
+            rc = run.poll()
+            if rc is not None:
+                running.remove(run)
+                ready = ready or rc == 0
+                failed = failed or (run.log if rc != 0 else None)
+    return failed
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -186,7 +270,8 @@ def main(argv: Optional[list] = None) -> int:
 
     name = os.path.splitext(os.path.basename(args.config))[0] + ("_quick" if args.quick else "")
     labels = [label for label, _ in variants(args.methods, args.noise)]
-    paths = write_report(args.runs, labels, args.out, name, args.threshold)
+    setting = f"{args.jobs} runs side by side, {run_threads(args.jobs)} thread(s) each" if args.jobs > 1 else ""
+    paths = write_report(args.runs, labels, args.out, name, args.threshold, setting)
     print("\n".join(["report:", *paths]))
     return 0
 

@@ -1,9 +1,10 @@
 """The report of ``python -m fastcredit.compare``: one table and one plot over every finished run.
 
 Per method (and noisy-judge variant): held-out EM at the start and at the end, mean ± 95%
-interval over seeds (Student's t; one seed has no interval), the difference to GRPO, the
-steps to reach a threshold EM (mean over the seeds that reach it, and how many do), seconds
-per step and judge calls per step. Written to ``<out>/compare_<name>_<device>.{md,json,png}``.
+interval over seeds (Student's t; one seed has no interval), the difference to GRPO paired by
+seed with its interval, the steps to reach a threshold EM (mean over the seeds that reach it,
+and how many do), how often the method's credit goes against the trajectory's outcome,
+seconds per step and judge calls per step. Written to ``<out>/compare_<name>_<device>.{md,json,png}``.
 """
 from __future__ import annotations
 
@@ -52,24 +53,32 @@ def steps_to(r: dict, threshold: float) -> Optional[int]:
 
 
 def summarize(results: dict[str, list[dict]], threshold: Optional[float]) -> dict:
-    """The table's numbers per label, and the threshold used."""
+    """The table's numbers per label, and the threshold used.
+
+    ``vs_grpo`` pairs runs by seed: a seed gives every method the same warm start and the same prompts at every
+    step, and every evaluation scores the same held-out questions, so the per-seed difference to GRPO's run is the
+    comparison with the least noise; its interval is over those differences."""
     finals = {label: [_curve(r)[-1][1] for r in rows] for label, rows in results.items()}
     if threshold is None and finals:
         base = "grpo" if "grpo" in finals else next(iter(finals))
         threshold = sum(finals[base]) / len(finals[base])
-    base_mean = sum(finals["grpo"]) / len(finals["grpo"]) if "grpo" in finals else None
+    grpo_by_seed = {r["seed"]: _curve(r)[-1][1] for r in results.get("grpo", [])}
     table = {}
     for label, rows in results.items():
         final, ci = mean_interval(finals[label])
         start, _ = mean_interval([_curve(r)[0][1] for r in rows])
         reached = [s for s in (steps_to(r, threshold) for r in rows) if s is not None]
         secs = [r["seconds_per_step"] for r in rows if r.get("seconds_per_step") is not None]
+        against = [r["against_outcome_frac"] for r in rows if r.get("against_outcome_frac") is not None]
+        diffs = [_curve(r)[-1][1] - grpo_by_seed[r["seed"]] for r in rows if r["seed"] in grpo_by_seed]
+        vs, vs_ci = mean_interval(diffs) if diffs and label != "grpo" else (None, None)
         table[label] = {
             "seeds": [r["seed"] for r in rows], "start_em": start, "final_em": final, "final_em_ci95": ci,
-            "final_em_per_seed": finals[label], "vs_grpo": None if base_mean is None else final - base_mean,
+            "final_em_per_seed": finals[label], "vs_grpo": vs, "vs_grpo_ci95": vs_ci, "vs_grpo_seeds": len(diffs),
             "steps": max(r["steps"] for r in rows),
             "steps_to_threshold": sum(reached) / len(reached) if reached else None,
             "reached_threshold": f"{len(reached)}/{len(rows)}",
+            "against_outcome_frac": sum(against) / len(against) if against else None,
             "seconds_per_step": sum(secs) / len(secs) if secs else None,
             "judge_calls_per_step": sum(r["judge_calls_per_step"] for r in rows) / len(rows),
         }
@@ -80,19 +89,25 @@ def _fmt(x: Optional[float], spec: str = ".3f") -> str:
     return "–" if x is None else format(x, spec)
 
 
+def _pm(x: Optional[float], ci: Optional[float], spec: str) -> str:
+    return _fmt(x, spec) + ("" if x is None or ci is None else f" ± {ci:.3f}")
+
+
 def format_markdown(summary: dict, device: str, name: str) -> str:
     thr = summary["threshold"]
     lines = [f"# Turn-level credit at toy scale: `{name}` — {device}", "",
-             f"Held-out EM (greedy) of each method from the same warm start; mean ± 95% interval over seeds. "
-             f"Steps to EM ≥ {_fmt(thr)} (the default threshold is GRPO's final mean): mean over the seeds that "
-             f"reach it.", "",
-             "| method | seeds | EM at start | final EM | vs GRPO | steps to threshold (reached) | s / step | "
-             "judge calls / step |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "Held-out EM (greedy) of each method from the same warm start; mean ± 95% interval over seeds. "
+             "*vs GRPO*: the mean per-seed difference to GRPO's run of the same seed (same warm start, prompts and "
+             f"held-out questions) ± its 95% interval. Steps to EM ≥ {_fmt(thr)} (the default threshold is GRPO's "
+             "final mean): mean over the seeds that reach it. *Against outcome*: share of advantage tokens whose "
+             "sign is opposite to their trajectory's outcome in its group (0 for GRPO).", "",
+             "| method | seeds | EM at start | final EM | vs GRPO | steps to threshold (reached) | against outcome | "
+             "s / step | judge calls / step |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, t in summary["methods"].items():
-        ci = "" if t["final_em_ci95"] is None else f" ± {t['final_em_ci95']:.3f}"
-        vs = "–" if t["vs_grpo"] is None or label == "grpo" else f"{t['vs_grpo']:+.3f}"
-        lines.append(f"| {label} | {len(t['seeds'])} | {t['start_em']:.3f} | {t['final_em']:.3f}{ci} | {vs} | "
+        lines.append(f"| {label} | {len(t['seeds'])} | {t['start_em']:.3f} | "
+                     f"{_pm(t['final_em'], t['final_em_ci95'], '.3f')} | {_pm(t['vs_grpo'], t['vs_grpo_ci95'], '+.3f')} | "
                      f"{_fmt(t['steps_to_threshold'], '.0f')} ({t['reached_threshold']}) | "
+                     f"{_fmt(t['against_outcome_frac'], '.3f')} | "
                      f"{_fmt(t['seconds_per_step'], '.1f')} | {t['judge_calls_per_step']:.0f} |")
     return "\n".join(lines) + "\n"
 
@@ -105,11 +120,13 @@ def plot(results: dict[str, list[dict]], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
+    colors = {}  # a method and its noisy-judge variant share a colour; the variant's line is dashed
     for label, rows in results.items():
         steps = sorted(set.intersection(*(set(s for s, _ in _curve(r)) for r in rows)))
         per = [[dict(_curve(r))[s] for r in rows] for s in steps]
         mean = [sum(v) / len(v) for v in per]
-        line, = ax.plot(steps, mean, marker="o", ms=3, label=label, ls="--" if "+noise" in label else "-")
+        color = colors.setdefault(label.split("+")[0], f"C{len(colors) % 10}")
+        line, = ax.plot(steps, mean, marker="o", ms=3, label=label, color=color, ls="--" if "+noise" in label else "-")
         if len(rows) > 1:
             ax.fill_between(steps, [min(v) for v in per], [max(v) for v in per], color=line.get_color(), alpha=0.15)
     ax.set(xlabel="training step", ylabel="held-out EM (greedy)", title=title)
@@ -120,15 +137,18 @@ def plot(results: dict[str, list[dict]], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def write_report(runs: str, labels: list[str], out_dir: str, name: str, threshold: Optional[float] = None) -> list[str]:
-    """Write the markdown table, the JSON and the PNG; returns their paths (nothing when no run has finished)."""
+def write_report(runs: str, labels: list[str], out_dir: str, name: str, threshold: Optional[float] = None,
+                 setting: str = "") -> list[str]:
+    """Write the markdown table, the JSON and the PNG; returns their paths (nothing when no run has finished).
+    ``setting``: how the runs shared the machine, shown after the device's name (e.g. two runs side by side)."""
     results = load_results(runs, labels)
     if not results:
         print(f"no finished runs under {runs}: nothing to report")
         return []
-    device = device_name()
+    slug = device_slug(device_name())
+    device = device_name() + (f", {setting}" if setting else "")
     summary = summarize(results, threshold)
-    base = os.path.join(out_dir, f"compare_{name}_{device_slug(device)}")
+    base = os.path.join(out_dir, f"compare_{name}_{slug}")
     os.makedirs(out_dir, exist_ok=True)
     with open(base + ".md", "w", encoding="utf-8") as fh:
         fh.write(format_markdown(summary, device, name))

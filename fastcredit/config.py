@@ -173,7 +173,8 @@ class WarmStartConfig:
     lr: float = opt(3e-3, "warm-start learning rate (cosine decay)")
     batch_size: int = opt(16, "trajectories per warm-start step")
     questions: int = opt(0, "training questions used (0: all)")
-    cache_dir: Optional[str] = opt(None, "folder of cached warm starts: one made with the same data, model, retrieval, rollout and warmstart settings (any seed) is loaded instead of redone")
+    seed: Optional[int] = opt(None, "seed of the warm start: the tiny policy's initialisation and the order of the supervised pass (null: the run seed); runs that differ only in their run seed share a warm start when this is set")
+    cache_dir: Optional[str] = opt(None, "folder of cached warm starts: one made with the same data, model, retrieval, warm-start seed and warmstart settings (and the rollout settings that shape its observations) is loaded instead of redone")
 
 
 @dataclass

@@ -84,8 +84,10 @@ def _labelled_cross_entropy(model, ids: torch.Tensor, labels: torch.Tensor, mask
 
 
 def sft_train(model, seqs: list[tuple[list[int], list[int]]], pad_id: int, epochs: int = 3, lr: float = 3e-3,
-              batch_size: int = 16, seed: int = 0, device: str = "cpu", progress: bool = True) -> list[float]:
-    """Cross-entropy on the labelled tokens; AdamW with a cosine decay. Returns the mean loss per epoch."""
+              batch_size: int = 16, seed: int = 0, device: str = "cpu", progress: bool = True,
+              on_epoch: Optional[Callable[[int, float], None]] = None) -> list[float]:
+    """Cross-entropy on the labelled tokens; AdamW with a cosine decay. Returns the mean loss per epoch;
+    ``on_epoch(epoch, mean loss)`` is called after each (a status line where no progress bar shows)."""
     from tqdm import tqdm
 
     rng = random.Random(seed)
@@ -109,22 +111,38 @@ def sft_train(model, seqs: list[tuple[list[int], list[int]]], pad_id: int, epoch
             bar.update(1)
             bar.set_postfix(loss=f"{total / n:.3f}")
         history.append(total / max(n, 1))
+        if on_epoch is not None:
+            on_epoch(len(history), history[-1])
     bar.close()
     opt.zero_grad(set_to_none=True)  # no stale gradients leak into the RL optimizer or a checkpoint load
     model.eval()
     return history
 
 
-# The config sections a warm start depends on; the run seed is left out on purpose, so runs that differ only in
-# seed (a comparison over seeds) share one warm start.
-WARM_START_KEYS = ("data", "model", "retrieval", "rollout", "warmstart")
+# The config sections a warm start depends on. The run seed is not one of them: the warm start's own seed is
+# (``warm_start_seed``), so runs that differ only in their run seed share one warm start when ``warmstart.seed`` is
+# set (a comparison over seeds). Of the rollout section only what shapes the oracle trajectories' observations.
+WARM_START_KEYS = ("data", "model", "retrieval", "warmstart")
+WARM_START_ROLLOUT_KEYS = ("max_obs_tokens",)
 
 
-def warm_start_fingerprint(cfg_dict: dict) -> str:
-    """A digest of the config that determines the warm-started weights (``WARM_START_KEYS``, minus the cache folder)."""
-    part = {k: cfg_dict[k] for k in WARM_START_KEYS}
-    part["warmstart"] = {k: v for k, v in part["warmstart"].items() if k != "cache_dir"}
+def warm_start_seed(cfg) -> int:
+    """The seed the warm start runs with (the tiny policy's initialisation, the supervised pass's order):
+    ``warmstart.seed``, else the run seed."""
+    return cfg.seed if cfg.warmstart.seed is None else cfg.warmstart.seed
+
+
+def warm_start_fingerprint(cfg) -> str:
+    """A digest of what determines the warm-started weights: ``WARM_START_KEYS`` (minus the cache and world
+    folders), the observation cap and the warm start's seed."""
+    from fastcredit.config import to_dict
+
+    d = to_dict(cfg)
+    part = {k: d[k] for k in WARM_START_KEYS}
+    part["warmstart"] = {k: v for k, v in part["warmstart"].items() if k not in ("cache_dir", "seed")}
     part["data"] = {k: v for k, v in part["data"].items() if k != "world_dir"}
+    part["rollout"] = {k: d["rollout"][k] for k in WARM_START_ROLLOUT_KEYS}
+    part["seed"] = warm_start_seed(cfg)
     return hashlib.sha256(json.dumps(part, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -121,9 +121,9 @@ class Trainer:
     def _warm_start(self, lm) -> None:
         """SFT on oracle trajectories; observations come from the run's own searcher, as in rollouts. With
         ``warmstart.cache_dir`` a warm start of the same config is loaded instead of redone (``sft.cached_warm_start``)."""
-        from fastcredit.sft import cached_warm_start, sft_sequences, sft_train, warm_start_fingerprint
+        from fastcredit.sft import cached_warm_start, sft_sequences, sft_train, warm_start_fingerprint, warm_start_seed
 
-        w = self.cfg.warmstart
+        w, seed = self.cfg.warmstart, warm_start_seed(self.cfg)
 
         def run() -> str:
             examples = [ex for ex in self.data.train if ex.metadata.get("hops")]
@@ -132,13 +132,15 @@ class Trainer:
             t0 = time.time()
             obs = dict(zip(queries, (o for o, _ in self.searcher(queries))))
             seqs = sft_sequences(examples, self._prompt_ids(examples), self.tokenizer,
-                                 obs.__getitem__, seed=self.cfg.seed)
-            losses = sft_train(lm, seqs, self.pad_id, w.epochs, w.lr, w.batch_size, self.cfg.seed,
-                               str(self.info.device), progress=self.cfg.logging.progress and self.info.is_main)
+                                 obs.__getitem__, seed=seed)
+            bar = self.cfg.logging.progress and self.info.is_main
+            losses = sft_train(lm, seqs, self.pad_id, w.epochs, w.lr, w.batch_size, seed, str(self.info.device),
+                               progress=bar, on_epoch=None if bar else lambda k, loss: self.say(
+                                   f"warm start: epoch {k}/{w.epochs}, loss {loss:.3f} ({time.time() - t0:.0f} s)"))
             return (f"warm start: {len(seqs)} oracle trajectories x {w.epochs} epochs in {time.time() - t0:.0f} s, "
                     f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 
-        cached_warm_start(lm, w.cache_dir, warm_start_fingerprint(to_dict(self.cfg)), run, self.say)
+        cached_warm_start(lm, w.cache_dir, warm_start_fingerprint(self.cfg), run, self.say)
         lm.requires_grad_(True).train()
 
     def _build_rollout(self) -> None:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from fastcredit.compare import summarize_run, variants
-from fastcredit.compare_report import mean_interval, steps_to, summarize
+from fastcredit.compare_report import format_markdown, mean_interval, steps_to, summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["data.toy.num_people=80", "data.toy.num_companies=20", "data.toy.num_questions=60", "eval.questions=4",
@@ -39,20 +39,25 @@ def test_compare_runs_every_method_resumes_and_reproduces(tmp_path):
     # A second start keeps every finished run (nothing retrains).
     again = compare(tmp_path, runs, "--methods", "grpo,criticsearch", "--seeds", "1", "--noise", "0.5")
     assert again.returncode == 0 and again.stdout.count("done before, kept") == 3
-    # The same seed in a fresh folder reproduces the numbers (noisy judge included).
+    # The same seed in a fresh folder reproduces the numbers (noisy judge included), with two runs side by side;
+    # a second seed starts from the same warm start.
     other = tmp_path / "runs2"
-    proc = compare(tmp_path, other, "--methods", "criticsearch", "--seeds", "1", "--noise", "0.5")
+    proc = compare(tmp_path, other, "--methods", "criticsearch", "--seeds", "2", "--noise", "0.5", "--jobs", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for label in ("criticsearch", "criticsearch+noise0.5"):
         a = json.loads((runs / label / "seed0" / "result.json").read_text())
         b = json.loads((other / label / "seed0" / "result.json").read_text())
         assert a["eval_em"] == b["eval_em"] and a["judge_calls_per_step"] == b["judge_calls_per_step"]
-    # The warm start was made once and shared.
+        seed1 = json.loads((other / label / "seed1" / "result.json").read_text())
+        assert seed1["eval_em"]["0"] == a["eval_em"]["0"]  # the same warm start, the same held-out questions
+    # The warm start was made once in each folder and shared by every run and seed.
     assert len(list((runs / "warmstart").glob("warmstart_*.pt"))) == 1
+    assert len(list((other / "warmstart").glob("warmstart_*.pt"))) == 1
+    assert (other / "warmstart" / next((runs / "warmstart").glob("*.pt")).name).exists()
 
 
 def test_compare_rejects_bad_arguments(tmp_path):
-    for args, needle in ((["--methods", "grpo,dpo"], "unknown dpo"), (["--seeds", "0"], "--seeds"),
+    for args, needle in ((["--methods", "grpo,dpo"], "unknown dpo"), (["--seeds", "0"], "--seeds"), (["--jobs", "0"], "--jobs"),
                          (["--noise", "1.5"], "--noise"), (["optim.lr"], "key=value")):
         proc = compare(tmp_path, tmp_path / "r", *args)
         assert proc.returncode == 2 and needle in proc.stderr, (args, proc.stderr)
@@ -65,10 +70,12 @@ def test_variants_and_summaries():
     assert "judges.oracle_noise=0.2" in dict(variants(["pica"], 0.2))["pica+noise0.2"]
     assert [v for v, _ in variants(["grpo", "pica"], 0.0)] == ["grpo", "pica"]
     rows = [{"step": 0, "eval/em": 0.1}, {"step": 1, "reward": 0.5, "critic/requests": 8, "time/step": 2.0},
-            {"step": 2, "reward": 0.5, "critic/requests": 4, "proceed/critiqued_steps": 2, "time/step": 4.0},
+            {"step": 2, "reward": 0.5, "critic/requests": 4, "proceed/critiqued_steps": 2, "time/step": 4.0,
+             "credit/against_outcome_frac": 0.25},
             {"step": 2, "eval/em": 0.4}]
     s = summarize_run(rows)
-    assert s == {"eval_em": {"0": 0.1, "2": 0.4}, "steps": 2, "seconds_per_step": 3.0, "judge_calls_per_step": 7.0}
+    assert s == {"eval_em": {"0": 0.1, "2": 0.4}, "steps": 2, "seconds_per_step": 3.0, "judge_calls_per_step": 7.0,
+                 "against_outcome_frac": 0.25}
     mean, half = mean_interval([0.2, 0.4, 0.6])
     assert mean == pytest.approx(0.4) and half == pytest.approx(4.303 * 0.2 / 3 ** 0.5, rel=1e-3)
     assert mean_interval([0.5]) == (0.5, None)
@@ -77,3 +84,30 @@ def test_variants_and_summaries():
     assert steps_to(run, 0.5) == 20  # step 0 does not count
     table = summarize({"grpo": [run], "ppo": [{**run, "eval_em": {"0": 0.5, "20": 0.7}}]}, None)
     assert table["threshold"] == 0.6 and table["methods"]["ppo"]["vs_grpo"] == pytest.approx(0.1)
+    # vs GRPO pairs the runs by seed: GRPO's seed 1 beats its seed 0 by the same 0.2 as the method's, so the
+    # method is +0.1 on both seeds with no spread, and a seed GRPO lacks is left out
+    seeds = lambda ems: [{**run, "seed": k, "eval_em": {"0": 0.5, "20": em}} for k, em in enumerate(ems)]  # noqa: E731
+    t = summarize({"grpo": seeds([0.4, 0.6]), "pica": seeds([0.5, 0.7, 0.9])}, None)["methods"]
+    assert t["pica"]["vs_grpo"] == pytest.approx(0.1) and t["pica"]["vs_grpo_ci95"] == pytest.approx(0.0, abs=1e-12)
+    assert t["pica"]["vs_grpo_seeds"] == 2 and t["grpo"]["vs_grpo"] is None
+    assert "| pica | 3 | 0.500 | 0.700 ± 0.497 | +0.100 ± 0.000 |" in format_markdown(
+        summarize({"grpo": seeds([0.4, 0.6]), "pica": seeds([0.5, 0.7, 0.9])}, None), "cpu", "x")
+
+
+def test_status_lines_of_a_run_are_relayed_and_its_step_table_is_not(tmp_path, capsys):
+    from fastcredit.compare import _LogTail
+
+    log = tmp_path / "train.log"
+    log.write_text("earlier run: not relayed\n")
+    tail = _LogTail(str(log), "grpo")
+    with open(log, "a", encoding="utf-8", newline="") as fh:
+        fh.write("$ python -m fastcredit.train\nwarm start: epoch 1/3, loss 0.9 (60 s)\n"
+                 " step reward    EM\n    1  0.531 0.438\nLoading: 0%|\rLoading: 100%|\nheld-out EM before tr")
+        fh.flush()
+        tail.relay()
+        assert capsys.readouterr().out == "  grpo: warm start: epoch 1/3, loss 0.9 (60 s)\n"
+        fh.write("aining: 0.440\n   12  0.5 0.4\nTraceback (most recent call last):")
+        fh.flush()
+        tail.relay(final=True)
+    tail.close()
+    assert capsys.readouterr().out == "  grpo: held-out EM before training: 0.440\n  grpo: Traceback (most recent call last):\n"

@@ -89,15 +89,20 @@ def test_warm_start_lowers_the_loss_and_leaves_no_gradients(world, tokenizer):
     assert not lm.training and all(p.grad is None for p in lm.parameters())
 
 
-def test_cached_warm_start_is_made_once_and_keyed_without_the_seed(tmp_path):
-    from fastcredit.config import load_config, to_dict
+def test_cached_warm_start_is_made_once_and_keyed_by_its_own_seed(tmp_path):
+    from fastcredit.config import load_config
     from fastcredit.sft import cached_warm_start, warm_start_fingerprint
 
-    base = to_dict(load_config(None, []))
-    assert warm_start_fingerprint(base) == warm_start_fingerprint(to_dict(load_config(None, ["seed=7"])))
-    assert warm_start_fingerprint(base) == warm_start_fingerprint(
-        to_dict(load_config(None, ["warmstart.cache_dir=/x", "credit.estimator=ppo", "data.world_dir=/w"])))
-    assert warm_start_fingerprint(base) != warm_start_fingerprint(to_dict(load_config(None, ["warmstart.epochs=9"])))
+    def key(*overrides):
+        return warm_start_fingerprint(load_config(None, list(overrides)))
+
+    base = key()
+    # the warm start's seed is part of the key: another run seed makes another warm start unless warmstart.seed
+    # pins it (a comparison over seeds shares one)
+    assert base != key("seed=7") and base == key("seed=7", "warmstart.seed=0") != key("warmstart.seed=1")
+    assert base == key("warmstart.cache_dir=/x", "credit.estimator=ppo", "data.world_dir=/w",
+                       "rollout.proceed.enabled=true", "rollout.n_samples=3", "rollout.temperature=0.5")
+    assert base != key("warmstart.epochs=9") and base != key("rollout.max_obs_tokens=7")
     said, runs = [], []
     made = torch.nn.Linear(3, 2)
 
@@ -117,3 +122,17 @@ def test_cached_warm_start_is_made_once_and_keyed_without_the_seed(tmp_path):
     (tmp_path / "warmstart_bad.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(RuntimeError, match="warmstart_bad.pt: cannot load the cached warm start"):
         cached_warm_start(torch.nn.Linear(3, 2), str(tmp_path), "bad", run, said.append)
+
+
+def test_a_warm_started_tiny_policy_is_initialised_by_the_warm_start_seed(tokenizer):
+    from fastcredit.components import load_policy
+    from fastcredit.config import load_config
+
+    def weights(*overrides):
+        cfg = load_config(None, ["model.tiny_hidden=32", "model.tiny_layers=1", "model.tiny_heads=2", *overrides])
+        return load_policy(cfg, tokenizer).model.embed_tokens.weight
+
+    pinned = weights("seed=5", "warmstart.enabled=true", "warmstart.seed=2")
+    assert torch.equal(pinned, weights("seed=2"))
+    assert torch.equal(weights("seed=5", "warmstart.enabled=true"), weights("seed=5"))
+    assert not torch.equal(pinned, weights("seed=5"))

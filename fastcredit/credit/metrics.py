@@ -10,6 +10,10 @@ the loss (``loss_mask_N``, else every action token):
 * ``zero_adv_frac``: share of tokens whose advantage is 0 (|A| ≤ 1e-8), i.e. tokens
   that only feel the KL and entropy terms.
 * ``adv_mean``, ``adv_std`` over all counted tokens.
+* ``against_outcome_frac``: of the counted tokens with a nonzero advantage in a group whose
+  rewards differ, the share whose advantage has the opposite sign to their trajectory's
+  outcome ``r_i − mean_g r``: how often the turn-level credit reverses what outcome-only
+  GRPO would push (0 for ``grpo``; value baselines reverse some tokens by design).
 
 Each estimator adds its own: ``degenerate_group_frac`` (group-based ones),
 ``good_turn_frac`` (criticsearch: search turns labelled Good; cwgrpo: judged rounds
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from fastcredit.credit.segments import group_advantage
 from fastcredit.credit.types import TURN_KINDS, CreditInputs, CreditResult
 
 ZERO_ADV_TOL = 1e-8
@@ -49,6 +54,11 @@ def estimator_metrics(inputs: CreditInputs, result: CreditResult) -> dict:
         "adv_std": float(adv_C.std(unbiased=False)),
         "zero_adv_frac": float((adv_C.abs() <= ZERO_ADV_TOL).double().mean()),
     }
+    outcome_C = group_advantage(inputs.reward_B, inputs.group_id_B, norm_by_std=False)[
+        inputs.seg_traj_S[seg_N[counted_N]]]
+    both_C = (adv_C.abs() > ZERO_ADV_TOL) & (outcome_C.abs() > ZERO_ADV_TOL)
+    if bool(both_C.any()):
+        metrics["against_outcome_frac"] = float((adv_C[both_C].sign() != outcome_C[both_C].sign()).double().mean())
     for k, name in enumerate(TURN_KINDS):  # a loop over the 4 kinds, not over data
         if cnt_K[k] > 0:
             metrics[f"adv_mean/{name}"] = float(mean_K[k])

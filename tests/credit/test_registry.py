@@ -85,15 +85,22 @@ def test_common_metrics_by_turn_kind():
     assert m["adv_mean/truncated"] == 0.0 and "adv_mean/invalid" not in m
     assert m["zero_adv_frac"] == pytest.approx(3 / 6)
     assert m["adv_mean"] == pytest.approx((2 - 1) / 6)
+    # the answer turn of the successful trajectory is pushed down: 1 of the 3 nonzero tokens goes against its outcome
+    assert m["against_outcome_frac"] == pytest.approx(1 / 3)
     # A loss mask restricts the statistics to the tokens that count.
     mask = torch.tensor([True, False, False, True, False, False, False])
     m = estimator_metrics(inputs, CreditResult(adv_S=torch.tensor([1.0, -1.0, 0.0]), loss_mask_N=mask))
     assert m["adv_mean"] == 0.0 and m["zero_adv_frac"] == 0.0 and "adv_mean/truncated" not in m
+    assert m["against_outcome_frac"] == pytest.approx(1 / 2)
+    # a group whose rewards are all equal has no outcome direction to go against
+    same = CreditInputs.from_batch(from_turns([[Turn([1], "answer")], [Turn([1], "answer")]], group_id=[0, 0],
+                                              em=[1.0, 1.0]), [1.0, 1.0])
+    assert "against_outcome_frac" not in estimator_metrics(same, CreditResult(adv_S=torch.tensor([1.0, -1.0])))
 
 
 def test_grpo_reports_degenerate_groups():
     m = compute_advantages("grpo", _inputs(), CreditConfig()).metrics
-    assert m["degenerate_group_frac"] == 0.0 and m["adv_mean/search"] > 0
+    assert m["degenerate_group_frac"] == 0.0 and m["adv_mean/search"] > 0 and m["against_outcome_frac"] == 0.0
 
 
 def test_each_estimator_declares_what_it_needs():
