@@ -12,9 +12,11 @@ flipped with probability p, ``judges.oracle_noise``). Runs go one after another 
 at a time once the first has made the world, index and warm start, the cores shared out among
 them), each a ``python -m fastcredit.train`` process with its own folder under ``--runs``; a finished run is
 not redone and an interrupted one resumes from its last checkpoint, so the command can simply
-be started again. The report (``fastcredit.compare_report``) goes to
-``<out>/compare_<name>_<device>.{md,json,png}``: held-out EM per method (mean ± 95% interval
-over seeds), steps to reach a threshold EM, seconds per step and judge calls per step.
+be started again (a run found there that was made with other settings is an error, exit 2).
+The report (``fastcredit.compare_report``) goes to ``<out>/compare_<name>_<device>.{md,json,png}``:
+held-out EM per method (mean ± 95% interval over seeds), the difference to GRPO paired by seed,
+steps to reach a threshold EM, how often the credit goes against the outcome, seconds per step
+and judge calls per step.
 Exit status: 0 done, 1 a run failed (its log is named), 2 bad arguments or config.
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sys
 import time
 from typing import Optional
 
-from fastcredit.config import ConfigError, load_config
+from fastcredit.config import ConfigError, load_config, to_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What each method adds to the shared config: its estimator and the judge it reads (the oracle on the toy world).
@@ -64,7 +66,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--jobs", type=int, default=1,
                    help="runs at a time once the warm start is made, each with cores/jobs torch threads (seconds per "
                         "step are then measured side by side)")
-    p.add_argument("--runs", default=None, help="folder of the runs (default: runs/<run_name>)")
+    p.add_argument("--runs", default=None, help="folder of the runs (default: runs/<run_name>, runs/<run_name>_quick with --quick); "
+                        "a run kept there must have been made with the settings this command gives it")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="where the report goes")
     p.add_argument("--threshold", type=float, default=None,
                    help="EM for 'steps to threshold' (default: GRPO's final mean EM, or the first method's)")
@@ -203,6 +206,28 @@ class _Run:
         return rc
 
 
+# Where a run's files go: the same run may name them differently (a relative or an absolute --runs), so they are
+# not compared.
+_PATH_KEYS = ("logging.output_dir", "warmstart.cache_dir", "data.world_dir")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def config_drift(saved: str, expected) -> list[str]:
+    """``key: saved → expected`` for each setting where the run config saved at ``saved`` (if any) differs from the
+    config this command gives that run (paths aside)."""
+    if not os.path.exists(saved):
+        return []
+    before, now = _flat(to_dict(load_config(saved))), _flat(to_dict(expected))
+    return [f"{k}: {before.get(k)!r} → {now.get(k)!r}" for k in sorted(set(before) | set(now))
+            if k not in _PATH_KEYS and before.get(k) != now.get(k)]
+
+
 def run_all(args, overrides: list[str], cfg) -> Optional[str]:
     """Every (variant, seed) run not finished yet, ``args.jobs`` at a time once the first has made what they share;
     returns the log of a run that failed (the others started still finish), None when all finished."""
@@ -211,7 +236,7 @@ def run_all(args, overrides: list[str], cfg) -> Optional[str]:
     total = cfg.optim.total_steps if not args.quick else max(1, int(cfg.optim.total_steps * QUICK_STEP_SHARE))
     cache = os.path.join(args.runs, "warmstart")
     # every seed starts from the warm start of the config's seed (made by the first run, loaded by the others)
-    shared = ["--config", args.config, *overrides, f"optim.total_steps={total}", "logging.progress=false",
+    shared = [*overrides, f"optim.total_steps={total}", "logging.progress=false",
               f"warmstart.seed={warm_start_seed(cfg)}", f"warmstart.cache_dir={cache}"]
     threads = run_threads(args.jobs)
     todo = [(label, extra, cfg.seed + k) for label, extra in variants(args.methods, args.noise)
@@ -219,19 +244,25 @@ def run_all(args, overrides: list[str], cfg) -> Optional[str]:
     pending, running, failed, ready = [], [], None, False
     for i, (label, extra, seed) in enumerate(todo, 1):
         folder = os.path.join(args.runs, label, f"seed{seed}")
+        run_overrides = [*shared, *extra, f"seed={seed}", f"run_name={cfg.run_name}-{label}-seed{seed}",
+                         f"logging.output_dir={folder}"]
+        drift = config_drift(os.path.join(folder, "config.yaml"), load_config(args.config, run_overrides))
+        if drift:
+            raise ConfigError(f"{folder} holds a run made with other settings ({'; '.join(drift[:5])}"
+                              f"{'; …' if len(drift) > 5 else ''}): keep it apart with another --runs folder, or "
+                              f"delete it to redo it")
         if os.path.exists(os.path.join(folder, "result.json")):
             print(f"[{i}/{len(todo)}] {label} seed {seed}: done before, kept", flush=True)
         else:
-            pending.append((f"[{i}/{len(todo)}]", label, extra, seed, folder))
+            pending.append((f"[{i}/{len(todo)}]", label, run_overrides, seed, folder))
     while pending or running:
         # one run at a time until a run has written metrics: the shared world, index and warm start are then on
         # disk, made once
         ready = ready or any(r.ready() for r in running)
         slots = args.jobs if ready else 1
         while pending and failed is None and len(running) < slots:
-            tag, label, extra, seed, folder = pending.pop(0)
-            cmd = [sys.executable, "-m", "fastcredit.train", *shared, *extra, f"seed={seed}",
-                   f"run_name={cfg.run_name}-{label}-seed{seed}", f"logging.output_dir={folder}"]
+            tag, label, run_overrides, seed, folder = pending.pop(0)
+            cmd = [sys.executable, "-m", "fastcredit.train", "--config", args.config, *run_overrides]
             ckpt = os.path.join(folder, "checkpoints")
             if os.path.isdir(ckpt) and os.listdir(ckpt):
                 cmd.append("--resume")
@@ -260,9 +291,13 @@ def main(argv: Optional[list] = None) -> int:
         print(f"config error: {args.config}: the comparison uses the toy world's oracle judges; data.source must be "
               f"toy, got {cfg.data.source!r}", file=sys.stderr)
         return 2
-    args.runs = args.runs or os.path.join("runs", cfg.run_name)
+    args.runs = args.runs or os.path.join("runs", cfg.run_name + ("_quick" if args.quick else ""))
     if not args.report_only:
-        failed = run_all(args, overrides, cfg)
+        try:
+            failed = run_all(args, overrides, cfg)
+        except ConfigError as exc:
+            print(f"config error: {exc}", file=sys.stderr)
+            return 2
         if failed is not None:
             print(f"error: a run failed; see {failed} (start the command again to resume)", file=sys.stderr)
             return 1

@@ -39,6 +39,10 @@ def test_compare_runs_every_method_resumes_and_reproduces(tmp_path):
     # A second start keeps every finished run (nothing retrains).
     again = compare(tmp_path, runs, "--methods", "grpo,criticsearch", "--seeds", "1", "--noise", "0.5")
     assert again.returncode == 0 and again.stdout.count("done before, kept") == 3
+    # ... but not with other settings: a kept run must be the run this command would make.
+    other_lr = compare(tmp_path, runs, "--methods", "grpo", "--seeds", "1", "optim.lr=0.5")
+    assert other_lr.returncode == 2 and "grpo/seed0 holds a run made with other settings" in other_lr.stderr
+    assert "optim.lr: 0.001 → 0.5" in other_lr.stderr
     # The same seed in a fresh folder reproduces the numbers (noisy judge included), with two runs side by side;
     # a second seed starts from the same warm start.
     other = tmp_path / "runs2"
