@@ -30,7 +30,9 @@ import sys
 import time
 from typing import Optional
 
+from fastcredit.compare_report import read_metrics, summarize_run
 from fastcredit.config import ConfigError, load_config, to_dict
+from fastcredit.profiling import device_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What each method adds to the shared config: its estimator and the judge it reads (the oracle on the toy world).
@@ -92,39 +94,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, overrides
 
 
-def read_metrics(path: str) -> list[dict]:
-    """The run's metrics.jsonl lines (a torn last line, from a crash mid-write, is skipped)."""
-    rows = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
-def summarize_run(rows: list[dict]) -> dict:
-    """From a run's metrics lines: held-out EM by step, the mean seconds per step, judge calls per step and share of
-    advantage tokens against their trajectory's outcome (``credit/against_outcome_frac``) over the training steps."""
-    em = {}
-    secs, calls, against, steps = [], [], [], 0
-    for r in rows:
-        step = int(r.get("step", 0))
-        if "eval/em" in r:
-            em[step] = float(r["eval/em"])
-        if "time/step" in r:
-            secs.append(float(r["time/step"]))
-        if "credit/against_outcome_frac" in r:
-            against.append(float(r["credit/against_outcome_frac"]))
-        if "reward" in r:  # a training step's line
-            steps = max(steps, step)
-            calls.append(sum(float(v) for k, v in r.items() if k.endswith("/requests") or k == "proceed/critiqued_steps"))
-    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-    return {"eval_em": {str(k): em[k] for k in sorted(em)}, "steps": steps, "seconds_per_step": mean(secs),
-            "judge_calls_per_step": mean(calls) or 0.0, "against_outcome_frac": mean(against)}
-
-
 # Lines of a run's console that are its step table (header and rows) or a progress bar's redraws: not relayed.
 _TABLE_LINE = re.compile(r"^\s*(step\s|\d+\s)|\r")
 
@@ -166,6 +135,7 @@ class _Run:
                  threads: Optional[int]):
         os.makedirs(folder, exist_ok=True)
         self.folder, self.label, self.seed, self.total, self.tag = folder, label, seed, total_steps, tag
+        self.threads = threads
         self.log = os.path.join(folder, "train.log")
         self.metrics = os.path.join(folder, "metrics.jsonl")
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -196,7 +166,8 @@ class _Run:
         self.out.close()
         if rc == 0:
             summary = summarize_run(read_metrics(self.metrics))
-            summary.update(method=self.label, seed=self.seed, wall_s=time.time() - self.t0)
+            summary.update(method=self.label, seed=self.seed, wall_s=time.time() - self.t0,
+                           device=device_name(threads=self.threads))
             result = os.path.join(self.folder, "result.json")
             with open(result + ".tmp", "w", encoding="utf-8") as fh:
                 json.dump(summary, fh, indent=1)
@@ -305,7 +276,7 @@ def main(argv: Optional[list] = None) -> int:
 
     name = os.path.splitext(os.path.basename(args.config))[0] + ("_quick" if args.quick else "")
     labels = [label for label, _ in variants(args.methods, args.noise)]
-    setting = f"{args.jobs} runs side by side, {run_threads(args.jobs)} thread(s) each" if args.jobs > 1 else ""
+    setting = f"{args.jobs} runs side by side" if args.jobs > 1 else ""
     paths = write_report(args.runs, labels, args.out, name, args.threshold, setting)
     print("\n".join(["report:", *paths]))
     return 0

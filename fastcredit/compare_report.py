@@ -30,14 +30,51 @@ def mean_interval(xs: list[float]) -> tuple[float, Optional[float]]:
     return mean, (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * sd / math.sqrt(n)
 
 
+def read_metrics(path: str) -> list[dict]:
+    """The run's metrics.jsonl lines (a torn last line, from a crash mid-write, is skipped)."""
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def summarize_run(rows: list[dict]) -> dict:
+    """From a run's metrics lines: held-out EM by step, the mean seconds per step, judge calls per step and share of
+    advantage tokens against their trajectory's outcome (``credit/against_outcome_frac``) over the training steps."""
+    em = {}
+    secs, calls, against, steps = [], [], [], 0
+    for r in rows:
+        step = int(r.get("step", 0))
+        if "eval/em" in r:
+            em[step] = float(r["eval/em"])
+        if "time/step" in r:
+            secs.append(float(r["time/step"]))
+        if "credit/against_outcome_frac" in r:
+            against.append(float(r["credit/against_outcome_frac"]))
+        if "reward" in r:  # a training step's line
+            steps = max(steps, step)
+            calls.append(sum(float(v) for k, v in r.items() if k.endswith("/requests") or k == "proceed/critiqued_steps"))
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    return {"eval_em": {str(k): em[k] for k in sorted(em)}, "steps": steps, "seconds_per_step": mean(secs),
+            "judge_calls_per_step": mean(calls) or 0.0, "against_outcome_frac": mean(against)}
+
+
 def load_results(runs: str, labels: list[str]) -> dict[str, list[dict]]:
-    """``label → [result.json of each finished seed]`` (labels without a finished run are left out)."""
+    """``label → [summary of each finished seed]`` (labels without a finished run are left out): its result.json,
+    summarised again from its metrics.jsonl where that is there, so a report rebuilt by newer code has every
+    column."""
     out = {}
     for label in labels:
         rows = []
         for path in sorted(glob.glob(os.path.join(runs, label, "seed*", "result.json"))):
             with open(path, encoding="utf-8") as fh:
-                rows.append(json.load(fh))
+                row = json.load(fh)
+            metrics = os.path.join(os.path.dirname(path), "metrics.jsonl")
+            rows.append({**row, **summarize_run(read_metrics(metrics))} if os.path.exists(metrics) else row)
         if rows:
             out[label] = rows
     return out
@@ -145,8 +182,10 @@ def write_report(runs: str, labels: list[str], out_dir: str, name: str, threshol
     if not results:
         print(f"no finished runs under {runs}: nothing to report")
         return []
-    slug = device_slug(device_name())
-    device = device_name() + (f", {setting}" if setting else "")
+    # the machine the runs ran on, as each recorded it (runs from before that was recorded: this process's)
+    devices = sorted({r.get("device") or device_name() for rows in results.values() for r in rows})
+    slug = device_slug(devices[0])
+    device = " / ".join(devices) + (f", {setting}" if setting else "")
     summary = summarize(results, threshold)
     base = os.path.join(out_dir, f"compare_{name}_{slug}")
     os.makedirs(out_dir, exist_ok=True)

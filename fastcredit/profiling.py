@@ -17,7 +17,7 @@ import platform
 import re
 import time
 from collections import defaultdict
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -83,8 +83,9 @@ def profiler_stop() -> None:
         torch.cuda.cudart().cudaProfilerStop()
 
 
-def device_name(device: str = "cpu") -> str:
-    """The GPU's name for ``cuda``; else the CPU model (from /proc/cpuinfo where there is one) and torch's threads."""
+def device_name(device: str = "cpu", threads: Optional[int] = None) -> str:
+    """The GPU's name for ``cuda``; else the CPU model (from /proc/cpuinfo where there is one) and ``threads`` (default:
+    torch's threads in this process)."""
     if device == "cuda":
         return torch.cuda.get_device_name()
     model = platform.processor() or platform.machine()
@@ -94,7 +95,7 @@ def device_name(device: str = "cpu") -> str:
             model = found.group(1).strip() if found else model
     except OSError:
         pass
-    return f"{model} ({torch.get_num_threads()} threads)"
+    return f"{model} ({threads or torch.get_num_threads()} threads)"
 
 
 def device_slug(name: str) -> str:

@@ -30,7 +30,7 @@ def test_compare_runs_every_method_resumes_and_reproduces(tmp_path):
     labels = ["grpo", "criticsearch", "criticsearch+noise0.5"]
     for label in labels:
         res = json.loads((runs / label / "seed0" / "result.json").read_text())
-        assert res["steps"] == 2 and set(res["eval_em"]) == {"0", "1", "2"}
+        assert res["steps"] == 2 and set(res["eval_em"]) == {"0", "1", "2"} and "threads)" in res["device"]
     assert json.loads((runs / "criticsearch" / "seed0" / "result.json").read_text())["judge_calls_per_step"] > 0
     md = next((tmp_path / "out").glob("compare_debug_*.md")).read_text()
     for label in labels:
