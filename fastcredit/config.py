@@ -181,6 +181,11 @@ class WarmStartConfig:
 class EvalConfig:
     questions: int = opt(100, "held-out questions scored with greedy rollouts (0: no evaluation)")
     every: int = opt(0, "steps between evaluations (0: only before and after training)")
+    seed: Optional[int] = opt(None, "seed that picks the held-out questions (null: the run seed); runs that differ only in their run seed score the same questions when this is set")
+
+    def question_seed(self, run_seed: int) -> int:
+        """The seed that picks the held-out questions: ``eval.seed``, else the run seed."""
+        return run_seed if self.seed is None else self.seed
 
 
 @dataclass

@@ -153,6 +153,7 @@ RANGES: dict[str, Range] = {
     "warmstart.batch_size": Range(COUNT),
     "warmstart.questions": Range(NONNEG, "0: all"),
     "warmstart.seed": Range("[0, 4294967296)", "numpy seeds are 32-bit"),
+    "eval.seed": Range("[0, 4294967296)", "numpy seeds are 32-bit"),
     "eval.questions": Range(NONNEG, "0: no evaluation"),
     "eval.every": Range(NONNEG, "0: only before and after training"),
     "guard.max_kl": Range("(0, inf]", "inf: off"),

@@ -346,7 +346,7 @@ class Trainer:
         n = min(self.cfg.eval.questions, len(self.data.test))
         if n == 0:
             return {}
-        chosen = sample_per_source(self.data.test, n, self.cfg.seed)  # the same on every rank
+        chosen = sample_per_source(self.data.test, n, self.cfg.eval.question_seed(self.cfg.seed))  # same on every rank
         mine = chosen[self.info.rank::self.info.world_size]
         with self.timer.phase("eval"):
             result, examples = self.rollout(mine, self.data.test, greedy=True)

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from fastcredit.compare import summarize_run, variants
+from fastcredit.config import load_config
 from fastcredit.compare_report import format_markdown, mean_interval, steps_to, summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,6 +55,8 @@ def test_compare_runs_every_method_resumes_and_reproduces(tmp_path):
         assert a["eval_em"] == b["eval_em"] and a["judge_calls_per_step"] == b["judge_calls_per_step"]
         seed1 = json.loads((other / label / "seed1" / "result.json").read_text())
         assert seed1["eval_em"]["0"] == a["eval_em"]["0"]  # the same warm start, the same held-out questions
+        saved = load_config(str(other / label / "seed1" / "config.yaml"))
+        assert (saved.seed, saved.warmstart.seed, saved.eval.seed) == (1, 0, 0)
     # The warm start was made once in each folder and shared by every run and seed.
     assert len(list((runs / "warmstart").glob("warmstart_*.pt"))) == 1
     assert len(list((other / "warmstart").glob("warmstart_*.pt"))) == 1
