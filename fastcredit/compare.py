@@ -22,9 +22,12 @@ Exit status: 0 done, 1 a run failed (its log is named), 2 bad arguments or confi
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -152,6 +155,19 @@ class _Run:
         """Whether the run has written metrics (its world, index and warm start exist by then)."""
         return os.path.exists(self.metrics) and os.path.getmtime(self.metrics) >= self.t0
 
+    def stop(self) -> None:
+        """End the run (it resumes from its last checkpoint when the command is started again)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.tail.close()
+        self.out.close()
+        print(f"{self.tag} {self.label} seed {self.seed}: stopped at step {max(self.last, 0)}", flush=True)
+
     def poll(self) -> Optional[int]:
         """None while the run goes on; then its exit status (0: ``result.json`` written)."""
         rc = self.proc.poll()
@@ -228,29 +244,51 @@ def run_all(args, overrides: list[str], cfg) -> Optional[str]:
             print(f"[{i}/{len(todo)}] {label} seed {seed}: done before, kept", flush=True)
         else:
             pending.append((f"[{i}/{len(todo)}]", label, run_overrides, seed, folder))
-    while pending or running:
-        # one run at a time until a run has written metrics: the shared world, index and warm start are then on
-        # disk, made once
-        ready = ready or any(r.ready() for r in running)
-        slots = args.jobs if ready else 1
-        while pending and failed is None and len(running) < slots:
-            tag, label, run_overrides, seed, folder = pending.pop(0)
-            cmd = [sys.executable, "-m", "fastcredit.train", "--config", args.config, *run_overrides]
-            ckpt = os.path.join(folder, "checkpoints")
-            if os.path.isdir(ckpt) and os.listdir(ckpt):
-                cmd.append("--resume")
-            print(f"{tag} {label} seed {seed}{' (resuming)' if '--resume' in cmd else ''}", flush=True)
-            running.append(_Run(cmd, folder, label, seed, total, tag, threads))
-        if failed is not None and not running:
-            break
-        time.sleep(2.0)
-        for run in list(running):
-            rc = run.poll()
-            if rc is not None:
-                running.remove(run)
-                ready = ready or rc == 0
-                failed = failed or (run.log if rc != 0 else None)
+    try:
+        while pending or running:
+            # one run at a time until a run has written metrics: the shared world, index and warm start are then on
+            # disk, made once
+            ready = ready or any(r.ready() for r in running)
+            slots = args.jobs if ready else 1
+            while pending and failed is None and len(running) < slots:
+                tag, label, run_overrides, seed, folder = pending.pop(0)
+                cmd = [sys.executable, "-m", "fastcredit.train", "--config", args.config, *run_overrides]
+                ckpt = os.path.join(folder, "checkpoints")
+                if os.path.isdir(ckpt) and os.listdir(ckpt):
+                    cmd.append("--resume")
+                print(f"{tag} {label} seed {seed}{' (resuming)' if '--resume' in cmd else ''}", flush=True)
+                running.append(_Run(cmd, folder, label, seed, total, tag, threads))
+            if failed is not None and not running:
+                break
+            time.sleep(2.0)
+            for run in list(running):
+                rc = run.poll()
+                if rc is not None:
+                    running.remove(run)
+                    ready = ready or rc == 0
+                    failed = failed or (run.log if rc != 0 else None)
+    finally:  # interrupted (Ctrl-C, SIGTERM): no run is left training unseen; each resumes from its checkpoint
+        for run in running:
+            run.stop()
     return failed
+
+
+@contextlib.contextmanager
+def runs_lock(runs: str):
+    """Hold ``<runs>/.lock`` while runs go: a second command on the same folder would train the same runs twice."""
+    os.makedirs(runs, exist_ok=True)
+    with open(os.path.join(runs, ".lock"), "a+", encoding="utf-8") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            raise ConfigError(f"{runs} is in use by another python -m fastcredit.compare ({fh.read().strip() or 'pid ?'}); "
+                              f"wait for it, or give this one another --runs folder") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()}\n")
+        fh.flush()
+        yield
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -266,8 +304,10 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     args.runs = args.runs or os.path.join("runs", cfg.run_name + ("_quick" if args.quick else ""))
     if not args.report_only:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `kill` stops the runs too (run_all's finally)
         try:
-            failed = run_all(args, overrides, cfg)
+            with runs_lock(args.runs):
+                failed = run_all(args, overrides, cfg)
         except ConfigError as exc:
             print(f"config error: {exc}", file=sys.stderr)
             return 2

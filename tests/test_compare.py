@@ -118,3 +118,46 @@ def test_status_lines_of_a_run_are_relayed_and_its_step_table_is_not(tmp_path, c
         tail.relay(final=True)
     tail.close()
     assert capsys.readouterr().out == "  grpo: held-out EM before training: 0.440\n  grpo: Traceback (most recent call last):\n"
+
+
+def _processes_naming(text: str) -> list[str]:
+    """Pids of live processes whose command line contains ``text``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                if text.encode() in fh.read().replace(b"\0", b" "):
+                    found.append(entry)
+        except OSError:  # not a process, or gone
+            continue
+    return found
+
+
+def test_a_killed_compare_stops_its_runs_holds_its_folder_and_resumes(tmp_path):
+    import signal
+    import time
+
+    runs = tmp_path / "runs"
+    args = ["--methods", "grpo", "--seeds", "1", "--noise", "0", "optim.total_steps=3"]
+    cmd = [sys.executable, "-m", "fastcredit.compare", "--config", os.path.join(ROOT, "configs", "debug.yaml"),
+           "--runs", str(runs), "--out", str(tmp_path / "out"), f"data.world_dir={tmp_path / 'world'}", *SMALL, *args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    ckpt = runs / "grpo" / "seed0" / "checkpoints"
+    deadline = time.time() + 600
+    while not (ckpt.is_dir() and any(p.name.startswith("step_") and "." not in p.name for p in ckpt.iterdir())) and time.time() < deadline:
+        assert first.poll() is None, first.communicate()
+        time.sleep(0.5)
+    # while it runs, a second command on the same folder is refused
+    second = compare(tmp_path, runs, *args)
+    assert second.returncode == 2 and "in use by another" in second.stderr, second.stderr
+    assert _processes_naming(f"logging.output_dir={runs}"), "the training run should be alive here"
+    first.send_signal(signal.SIGTERM)
+    out, _ = first.communicate(timeout=120)
+    assert first.returncode == 143 and "grpo seed 0: stopped at step" in out, out
+    assert not _processes_naming(f"logging.output_dir={runs}"), "a training run outlived its compare command"
+    assert not (runs / "grpo" / "seed0" / "result.json").exists()
+    again = compare(tmp_path, runs, *args)
+    assert again.returncode == 0 and "grpo seed 0 (resuming)" in again.stdout, again.stdout[-3000:] + again.stderr[-3000:]
+    res = json.loads((runs / "grpo" / "seed0" / "result.json").read_text())
+    assert res["steps"] == 3 and set(res["eval_em"]) == {"0", "1", "2", "3"}
