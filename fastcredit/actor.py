@@ -134,7 +134,9 @@ class ValueModel(nn.Module):
     def forward(self, x: ModelInputs) -> torch.Tensor:
         # the head's own dtype: bf16 under mixed precision, float32 otherwise (the value is float32 either way)
         hidden_NH = _decode(self.lm, x)[x.pred_N].to(self.value_head.weight.dtype)
-        return self.value_head(hidden_NH).float().squeeze(-1)
+        # NOTE: not a view of the head's [N, 1] output: FSDP2 registers its pre-backward hook on the module's output,
+        # and a view returned from an FSDP2 module is what it warns may lose that hook
+        return self.value_head(hidden_NH).float().squeeze(-1).clone()
 
 
 def micro_batches(total_len_B: torch.Tensor, max_tokens: int, at_least: int = 0) -> list[list[int]]:

@@ -150,25 +150,35 @@ def format_markdown(summary: dict, device: str, name: str) -> str:
 
 
 def plot(results: dict[str, list[dict]], path: str, title: str) -> None:
-    """Held-out EM against step: the mean per method and a band from the lowest to the highest seed."""
+    """Held-out EM against step: the mean per method and a band from the lowest to the highest seed; the methods
+    with exact judges on the left, the noisy-judge variants (dashed) on the right, GRPO (black) on both."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    colors = {}  # a method and its noisy-judge variant share a colour; the variant's line is dashed
-    for label, rows in results.items():
-        steps = sorted(set.intersection(*(set(s for s, _ in _curve(r)) for r in rows)))
-        per = [[dict(_curve(r))[s] for r in rows] for s in steps]
-        mean = [sum(v) / len(v) for v in per]
-        color = colors.setdefault(label.split("+")[0], f"C{len(colors) % 10}")
-        line, = ax.plot(steps, mean, marker="o", ms=3, label=label, color=color, ls="--" if "+noise" in label else "-")
-        if len(rows) > 1:
-            ax.fill_between(steps, [min(v) for v in per], [max(v) for v in per], color=line.get_color(), alpha=0.15)
-    ax.set(xlabel="training step", ylabel="held-out EM (greedy)", title=title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    noisy = [label for label in results if "+noise" in label]
+    panels = [[label for label in results if "+noise" not in label]]
+    if noisy:
+        panels.append((["grpo"] if "grpo" in results else []) + noisy)
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), sharey=True, squeeze=False)
+    colors = {}  # a method and its noisy-judge variant share a colour
+    for ax, labels in zip(axes[0], panels):
+        for label in labels:
+            rows = results[label]
+            steps = sorted(set.intersection(*(set(s for s, _ in _curve(r)) for r in rows)))
+            per = [[dict(_curve(r))[s] for r in rows] for s in steps]
+            mean = [sum(v) / len(v) for v in per]
+            base = label.split("+")[0]
+            color = "black" if base == "grpo" else colors.setdefault(base, f"C{len(colors) % 10}")
+            ax.plot(steps, mean, marker="o", ms=3, label=label, color=color, lw=2 if base == "grpo" else 1.3,
+                    ls="--" if "+noise" in label else "-")
+            if len(rows) > 1:
+                ax.fill_between(steps, [min(v) for v in per], [max(v) for v in per], color=color, alpha=0.1)
+        ax.set(xlabel="training step", ylabel="held-out EM (greedy)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title + (" — band: lowest to highest seed" if any(len(r) > 1 for r in results.values()) else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -90,11 +90,25 @@ class JudgePhase:
         self.judge = CWGRPOJudge(backend, cfg.credit.critic.retries) if kind == "round_judge" else None
         self.prm = cfg.judges.prm if kind == "prm" else None
         self.oracle_noise, self.seed = cfg.judges.oracle_noise, cfg.seed
+        self._totals: dict = {}  # the runners' running totals at the last step, so each step logs its own counts
         self.prm_scorer = None  # a trained PRM folder (PRMScorer) or PiCA's reward server (PiCARewardClient)
         if self.prm is not None and self.prm != "oracle":
             self.prm_scorer = build_prm_scorer(cfg, device)
             if self.engine is None and hasattr(self.prm_scorer, "wake_up"):
                 self.engine = self.prm_scorer  # the phase manager wakes its weights for the judge phase only
+
+    def _this_step(self, prefix: str, stats: dict) -> dict:
+        """``<prefix>/<key>`` metrics of one step: the runner's running counts (``runner.COUNTS``) as this step's
+        increase, the rest (``failure_rate``) as they are."""
+        from fastcredit.judges.runner import COUNTS
+
+        out = {}
+        for k, v in stats.items():
+            if k in COUNTS:
+                last, self._totals[prefix, k] = self._totals.get((prefix, k), 0), v
+                v -= last
+            out[f"{prefix}/{k}"] = float(v)
+        return out
 
     def score(self, result, examples, reward: torch.Tensor) -> tuple[dict, dict]:
         """``(extras, metrics)``: the judge's CreditInputs fields and its parse / failure statistics."""
@@ -108,12 +122,12 @@ class JudgePhase:
         if self.critic is not None:
             label, ok, stats = run_sync(self.critic.score(items))
             extras.update(critic_label_S=label, critic_ok_B=ok)
-            metrics.update({f"critic/{k}": float(v) for k, v in stats.items()})
+            metrics.update(self._this_step("critic", stats))
         if self.judge is not None:
             success = (reward > 0).tolist()  # the released code judges only rewarded trajectories
             u, v, ok, stats = run_sync(self.judge.score(items, success))
             extras.update(judge_u_S=u, judge_v_S=v, judge_ok_B=ok)
-            metrics.update({f"judge/{k}": float(x) for k, x in stats.items()})
+            metrics.update(self._this_step("judge", stats))
         if self.prm == "oracle":
             from fastcredit.judges.oracle import oracle_prm
             from fastcredit.prm.scorer import scores_to_inputs

@@ -27,12 +27,17 @@ from fastcredit.judges.prompts import criticsearch_prompt, cwgrpo_prompt, pivot_
 from fastcredit.judges.types import JudgeItem
 
 
+# What every runner counts, as running totals over its life (the label command reports them at the end; the
+# trainer logs each step's share, fastcredit.judges.phase).
+COUNTS = ("requests", "parse_failures", "retries", "failed")
+
+
 class _Asker:
     """Sends requests (deduplicated by prompt), parses, re-asks the failures; keeps the counts."""
 
     def __init__(self, backend, retries: int):
         self.backend, self.retries = backend, retries
-        self.stats = {"requests": 0, "parse_failures": 0, "retries": 0, "failed": 0}
+        self.stats = dict.fromkeys(COUNTS, 0)
 
     async def ask(self, requests: Sequence[JudgeRequest], parse: Callable) -> list:
         results: list = [None] * len(requests)

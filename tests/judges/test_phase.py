@@ -115,3 +115,18 @@ def test_a_critic_of_another_architecture_gets_its_own_hf_engine_and_is_refused_
     with pytest.raises(ValueError, match="ProCeed's critic answers during the rollout"):
         make_backend(load_config(None, [*proceed, "judges.backend=colocated", f"judges.model={f['same']}"]), policy,
                      torch.device("cpu"), policy_config=conf)
+
+
+def test_each_step_logs_its_own_judge_counts():
+    # the runners count over their whole life; a step's metrics are that step's increase (failure_rate as it is)
+    cfg = load_config(None, ["credit.estimator=criticsearch", "judges.backend=oracle"])
+    phase = build_judge_phase(cfg, make_backend(cfg, policy_engine=None, device=None), policy_engine=None)
+    first = phase._this_step("critic", {"requests": 32, "parse_failures": 2, "retries": 2, "failed": 0,
+                                        "failure_rate": 0.0})
+    second = phase._this_step("critic", {"requests": 60, "parse_failures": 3, "retries": 3, "failed": 1,
+                                         "failure_rate": 0.25})
+    assert first == {"critic/requests": 32.0, "critic/parse_failures": 2.0, "critic/retries": 2.0,
+                     "critic/failed": 0.0, "critic/failure_rate": 0.0}
+    assert second == {"critic/requests": 28.0, "critic/parse_failures": 1.0, "critic/retries": 1.0,
+                      "critic/failed": 1.0, "critic/failure_rate": 0.25}
+    assert phase._this_step("judge", {"requests": 5})["judge/requests"] == 5.0  # counted apart per judge
