@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fastcredit.actor import ValueModel, _decode
+from fastcredit.actor import ValueModel
 
 PRM_META = "prm.json"
 PRM_HEAD = "prm_head.safetensors"
@@ -39,11 +39,8 @@ FORMAT = "fastcredit-prm"
 
 class PRMModel(ValueModel):
     """The backbone and a scalar head (zero-initialised: ``f = 0.5`` everywhere before training); ``forward``
-    returns the head's logit at each placeholder (``x.pred_N``, float32)."""
-
-    def forward(self, x) -> torch.Tensor:
-        hidden = _decode(self.lm, x)[x.pred_N].to(self.value_head.weight.dtype)
-        return self.value_head(hidden).float().squeeze(-1)
+    returns the head's logit at each placeholder (``x.pred_N``, float32): the value model's forward, read at the
+    placeholders."""
 
 
 def add_placeholder(tokenizer, lm, placeholder: str) -> int:

@@ -342,9 +342,11 @@ def test_two_ranks_train_as_one(toy, trained, tmp_path):
     ra, rc = step_rows(a), step_rows(c)
     assert sorted(rc) == list(range(1, 11)), proc.stdout[-3000:] + proc.stderr[-3000:]
     for step in rc:
-        # NOTE: the ranks sum in another order; the first steps agree to 1e-7, then Adam amplifies the rounding
-        # (measured: 4e-5 by step 10, 7e-4 by step 30)
-        rel = 1e-5 if step <= 8 else 1e-3
+        # NOTE: the ranks sum in another order; the first steps agree to 1e-7, then Adam amplifies the rounding by
+        # about 4-10x a step, by how much depends on the CPU (measured on one AMD EPYC: grad_norm 2.8e-6 at step 7,
+        # 2.4e-5 at step 8, 2.7e-4 at step 10; on another 4e-5 by step 10, 7e-4 by step 30). A wrong gradient
+        # scale is off by O(1) from step 1 on, so the first five steps keep the tight bound.
+        rel = 1e-5 if step <= 5 else 1e-3
         for key in ("loss", "loss_final", "loss_gold", "grad_norm"):
             assert rc[step][key] == pytest.approx(ra[step][key], rel=rel, abs=1e-7), (step, key)
 
