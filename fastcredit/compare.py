@@ -218,15 +218,13 @@ def config_drift(saved: str, expected) -> list[str]:
 def run_all(args, overrides: list[str], cfg) -> Optional[str]:
     """Every (variant, seed) run not finished yet, ``args.jobs`` at a time once the first has made what they share;
     returns the log of a run that failed (the others started still finish), None when all finished."""
-    from fastcredit.sft import warm_start_seed
-
     total = cfg.optim.total_steps if not args.quick else max(1, int(cfg.optim.total_steps * QUICK_STEP_SHARE))
     cache = os.path.join(args.runs, "warmstart")
     # every seed starts from the warm start of the config's seed (made by the first run, loaded by the others) and
     # is scored on the held-out questions that seed picks
     shared = [*overrides, f"optim.total_steps={total}", "logging.progress=false",
-              f"warmstart.seed={warm_start_seed(cfg)}", f"warmstart.cache_dir={cache}",
-              f"eval.seed={cfg.eval.question_seed(cfg.seed)}"]
+              f"warmstart.seed={cfg.warmstart.seed_for(cfg.seed)}", f"warmstart.cache_dir={cache}",
+              f"eval.seed={cfg.eval.seed_for(cfg.seed)}"]
     threads = run_threads(args.jobs)
     todo = [(label, extra, cfg.seed + k) for label, extra in variants(args.methods, args.noise)
             for k in range(args.seeds)]

@@ -153,10 +153,9 @@ def load_policy(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
     m = cfg.model
     if m.policy == "tiny":
         from fastcredit.models.tiny import build_tiny_policy
-        from fastcredit.sft import warm_start_seed
 
         # a warm-started policy is initialised by the warm start's seed: it is part of the warm start
-        seed = warm_start_seed(cfg) if cfg.warmstart.enabled else cfg.seed
+        seed = cfg.warmstart.seed_for(cfg.seed) if cfg.warmstart.enabled else cfg.seed
         lm = build_tiny_policy(tokenizer, hidden=m.tiny_hidden, layers=m.tiny_layers, heads=m.tiny_heads, seed=seed,
                                intermediate=m.tiny_intermediate, kv_heads=m.tiny_kv_heads, vocab_rows=m.tiny_vocab_rows)
     elif m.policy == "smollm2":

@@ -176,6 +176,11 @@ class WarmStartConfig:
     seed: Optional[int] = opt(None, "seed of the warm start: the tiny policy's initialisation and the order of the supervised pass (null: the run seed); runs that differ only in their run seed share a warm start when this is set")
     cache_dir: Optional[str] = opt(None, "folder of cached warm starts: one made with the same data, model, retrieval, warm-start seed and warmstart settings (and the rollout settings that shape its observations) is loaded instead of redone")
 
+    def seed_for(self, run_seed: int) -> int:
+        """The seed the warm start runs with (the tiny policy's initialisation, the supervised pass's order):
+        ``warmstart.seed``, else the run seed."""
+        return run_seed if self.seed is None else self.seed
+
 
 @dataclass
 class EvalConfig:
@@ -183,7 +188,7 @@ class EvalConfig:
     every: int = opt(0, "steps between evaluations (0: only before and after training)")
     seed: Optional[int] = opt(None, "seed that picks the held-out questions (null: the run seed); runs that differ only in their run seed score the same questions when this is set")
 
-    def question_seed(self, run_seed: int) -> int:
+    def seed_for(self, run_seed: int) -> int:
         """The seed that picks the held-out questions: ``eval.seed``, else the run seed."""
         return run_seed if self.seed is None else self.seed
 

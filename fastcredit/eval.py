@@ -232,7 +232,7 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
         raise ConfigError("--batch and --limit must be at least 1")
     folder, run, step = resolve_model(model, step)
     examples, data_path, corpus = _eval_data(cfg, data, split)
-    chosen = sample_per_source(examples, limit, cfg.eval.question_seed(cfg.seed)) if limit else list(range(len(examples)))
+    chosen = sample_per_source(examples, limit, cfg.eval.seed_for(cfg.seed)) if limit else list(range(len(examples)))
     if in_domain is None:
         in_domain = _training_sources(cfg) if run is not None or cfg.data.source == "toy" else None
         in_domain = in_domain if in_domain is not None else set(SEARCHR1_IN_DOMAIN)

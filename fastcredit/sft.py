@@ -120,16 +120,10 @@ def sft_train(model, seqs: list[tuple[list[int], list[int]]], pad_id: int, epoch
 
 
 # The config sections a warm start depends on. The run seed is not one of them: the warm start's own seed is
-# (``warm_start_seed``), so runs that differ only in their run seed share one warm start when ``warmstart.seed`` is
+# (``warmstart.seed_for``), so runs that differ only in their run seed share one warm start when ``warmstart.seed`` is
 # set (a comparison over seeds). Of the rollout section only what shapes the oracle trajectories' observations.
 WARM_START_KEYS = ("data", "model", "retrieval", "warmstart")
 WARM_START_ROLLOUT_KEYS = ("max_obs_tokens",)
-
-
-def warm_start_seed(cfg) -> int:
-    """The seed the warm start runs with (the tiny policy's initialisation, the supervised pass's order):
-    ``warmstart.seed``, else the run seed."""
-    return cfg.seed if cfg.warmstart.seed is None else cfg.warmstart.seed
 
 
 def warm_start_fingerprint(cfg) -> str:
@@ -142,7 +136,7 @@ def warm_start_fingerprint(cfg) -> str:
     part["warmstart"] = {k: v for k, v in part["warmstart"].items() if k not in ("cache_dir", "seed")}
     part["data"] = {k: v for k, v in part["data"].items() if k != "world_dir"}
     part["rollout"] = {k: d["rollout"][k] for k in WARM_START_ROLLOUT_KEYS}
-    part["seed"] = warm_start_seed(cfg)
+    part["seed"] = cfg.warmstart.seed_for(cfg.seed)
     return hashlib.sha256(json.dumps(part, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -121,9 +121,10 @@ class Trainer:
     def _warm_start(self, lm) -> None:
         """SFT on oracle trajectories; observations come from the run's own searcher, as in rollouts. With
         ``warmstart.cache_dir`` a warm start of the same config is loaded instead of redone (``sft.cached_warm_start``)."""
-        from fastcredit.sft import cached_warm_start, sft_sequences, sft_train, warm_start_fingerprint, warm_start_seed
+        from fastcredit.sft import cached_warm_start, sft_sequences, sft_train, warm_start_fingerprint
 
-        w, seed = self.cfg.warmstart, warm_start_seed(self.cfg)
+        w = self.cfg.warmstart
+        seed = w.seed_for(self.cfg.seed)
 
         def run() -> str:
             examples = [ex for ex in self.data.train if ex.metadata.get("hops")]
@@ -346,7 +347,7 @@ class Trainer:
         n = min(self.cfg.eval.questions, len(self.data.test))
         if n == 0:
             return {}
-        chosen = sample_per_source(self.data.test, n, self.cfg.eval.question_seed(self.cfg.seed))  # same on every rank
+        chosen = sample_per_source(self.data.test, n, self.cfg.eval.seed_for(self.cfg.seed))  # same on every rank
         mine = chosen[self.info.rank::self.info.world_size]
         with self.timer.phase("eval"):
             result, examples = self.rollout(mine, self.data.test, greedy=True)
