@@ -20,7 +20,7 @@ export TOKENIZERS_PARALLELISM := false
 # that makes the next run wait forever.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: env demo test bench gpu-check clean-env
+.PHONY: env demo test bench gpu-check gpu-preflight clean-env
 
 env: $(STAMP)
 
@@ -55,6 +55,12 @@ bench: env
 GPU_CHECK_OUT ?= bench/results/gpu_check_$(shell $(PY) bench/results_io.py --slug)
 gpu-check: env
 	PYTHON=$(PY) bash bench/gpu_check.sh $(GPU_CHECK_OUT)
+
+# The GPU path checked on a CPU (no GPU needed): kernels compiled for sm_80/90/100, fastcredit._C built against a
+# CUDA torch (its own venv, ~5.5 GB, made once) and imported the Makefile's way, NCCL's device rules, vLLM's device.
+GPU_PREFLIGHT_OUT ?= bench/results/gpu_preflight
+gpu-preflight: env
+	$(PY) bench/gpu_preflight.py $(GPU_PREFLIGHT_OUT)
 
 clean-env:
 	rm -rf $(VENV)

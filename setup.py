@@ -8,7 +8,6 @@ FASTCREDIT_BUILD_CUDA=1 forces the extension on (and fails loudly if it cannot b
 FASTCREDIT_BUILD_CUDA=0 forces it off; unset, it is built only when a CUDA toolchain and a
 CUDA build of torch are both present.
 """
-import glob
 import importlib.util
 import os
 
@@ -78,16 +77,15 @@ def ext_modules_and_cmdclass():
         raise SystemExit(f"fastcredit: {helpers.ENV_FLAG}=1 but the CUDA extension cannot be built: {problem}")
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", helpers.CUDA_ARCHS)
     print(f"fastcredit: building fastcredit._C for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
-    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
 
-    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "*.cu")))
-    if not sources:
+    kwargs = helpers.extension_kwargs(HERE, os.path.dirname(torch.__file__), torch.version.cuda, CUDA_HOME)
+    if not kwargs["sources"]:
         raise SystemExit("FASTCREDIT_BUILD_CUDA=1 but csrc/ has no sources")
-    ext = CUDAExtension(
-        name="fastcredit._C",
-        sources=sources,
-        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]},
-    )
+    # The rpath lets `import fastcredit._C` load without torch imported first: see _build.runtime_library_dirs.
+    print(f"fastcredit: fastcredit._C searches {':'.join(kwargs['runtime_library_dirs'])} at load time")
+    ext = CUDAExtension(**kwargs)
     return [ext], {"build_ext": BuildExtension}
 
 

@@ -320,7 +320,7 @@ def _fmt(v) -> str:
 
 def stage_summary(out: str) -> int:
     stages = []
-    for name in ("env", "build", "tests", "kernels", "train", "rollout", "step", "nsys"):
+    for name in ("env", "build", "tests", "kernels", "train", "ranks", "rollout", "step", "nsys"):
         path = os.path.join(out, f"stage_{name}.json")
         missing = {"stage": name, "status": "failed", "reason": "no result in OUTDIR (not run yet, timed out or crashed)"}
         stages.append(json.load(open(path)) if os.path.exists(path) else missing)

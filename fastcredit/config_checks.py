@@ -221,6 +221,10 @@ def check_rules(cfg) -> None:
         (cfg.distributed.engine == "fsdp2" or cfg.distributed.shard_size == -1,
          f"distributed.shard_size={cfg.distributed.shard_size} applies to distributed.engine=fsdp2 only "
          "(DeepSpeed ZeRO shards over all ranks); leave it at -1"),
+        (cfg.rollout.tensor_parallel == 1,
+         f"rollout.tensor_parallel={cfg.rollout.tensor_parallel}: each rank's rollout engine runs in the trainer's "
+         "process on that rank's GPU (the hf engine has no tensor parallelism; vLLM would run tensor-parallel "
+         "workers in other processes, where the streamed weight sync cannot reach them); use 1"),
     ]
     for ok, message in checks:
         if not ok:

@@ -13,8 +13,9 @@ prints a line of the console table (reward, EM, KL, gradient norm, seconds per p
 folder (logging.output_dir) gets metrics.jsonl, curves.png and the checkpoints. At the end the
 held-out EM before and after training is printed.
 
-``--memory-report`` prints the GPU memory budget of every phase (``fastcredit.memory``) and
-exits before anything loads: 0 when it fits, 2 when it cannot run.
+``--memory-report`` prints the GPU memory budget of every phase and the host RAM each node
+needs beside it (``fastcredit.memory``) and exits before anything loads: 0 when it fits, 2
+when it cannot run.
 Exit status: 0 done, 2 bad config (or a memory report that cannot run), 3 stopped by the collapse guard.
 
 The training loop is :class:`fastcredit.trainer.Trainer`; this module parses the command line,
@@ -35,20 +36,25 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
 
 
 SYNOPSIS = """python -m fastcredit.train [--config X.yaml] [key=value ...] [--resume] [--profile]
-       python -m fastcredit.train [--config X.yaml] [key=value ...] --memory-report [--gpu-gib G] [--gpus N]"""
+       python -m fastcredit.train [--config X.yaml] [key=value ...] --memory-report [--gpu-gib G] [--gpus N]
+                                  [--host-gib H] [--gpus-per-node N]"""
 FLAGS = """
 --config X.yaml       the run's YAML (values only; default configs/demo.yaml); key=value overrides apply after it
 --resume              continue from the run folder's last checkpoint (metrics.jsonl is cut back to it)
 --profile             CUDA profiler range around three steps (nsys --capture-range=cudaProfilerApi)
---memory-report       print the GPU memory budget of each phase and exit (nothing loads); exit 2 if it cannot run
+--memory-report       print the GPU and host memory budget of each phase and exit (nothing loads); exit 2 if it
+                      cannot run
   --gpu-gib G         GPU size in GiB (default: the local GPU's, else 80)
   --gpus N            GPUs, one rank each (default: WORLD_SIZE, else 1)
+  --host-gib H        host RAM of a node in GiB (default: this machine's MemTotal, /proc/meminfo)
+  --gpus-per-node N   ranks on a node (default: the smaller of --gpus and 8)
   --index-rows N --index-dim D   retrieval index size when its file is not here
 -h, --help [PREFIX]   this help; with PREFIX the config keys under it (rollout, optim.lr, all)
 """
 USAGE = format_usage(SYNOPSIS, __doc__, FLAGS)
 # --memory-report's options and how each value is read
-REPORT_OPTIONS = {"--gpu-gib": float, "--gpus": int, "--index-rows": int, "--index-dim": int}
+REPORT_OPTIONS = {"--gpu-gib": float, "--gpus": int, "--index-rows": int, "--index-dim": int, "--host-gib": float,
+                  "--gpus-per-node": int}
 
 
 def _report_flags(argv: list) -> tuple[Optional[dict], list]:
@@ -99,7 +105,7 @@ def main(argv: Optional[list] = None) -> int:
 
 def memory_report(cfg, opts: dict) -> int:
     """Print :func:`fastcredit.memory.format_plan` for ``cfg``; 0 when it can run, 2 otherwise. No process group,
-    model, data or index is touched (the GPU's size is the one CUDA query)."""
+    model, data or index is touched (the GPU's size is the one CUDA query, the host's RAM /proc/meminfo)."""
     from fastcredit import memory
 
     gpu_gib = opts.get("--gpu-gib")
@@ -108,8 +114,17 @@ def memory_report(cfg, opts: dict) -> int:
 
         gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
     gpus = opts.get("--gpus") or int(os.environ.get("WORLD_SIZE", "1"))
+    per_node = opts.get("--gpus-per-node")
+    if per_node is not None and not 0 < per_node <= gpus:
+        print(f"memory report: --gpus-per-node {per_node} must be between 1 and --gpus ({gpus})", file=sys.stderr)
+        return 2
+    host_gib, source = opts.get("--host-gib"), "--host-gib"
+    if host_gib is None:
+        host_gib, source = memory.machine_memory_gib(), "MemTotal of this machine, /proc/meminfo"
     try:
-        plan = memory.plan(cfg, gpu_gib, gpus, index_rows=opts.get("--index-rows"), index_dim=opts.get("--index-dim"))
+        plan = memory.plan(cfg, gpu_gib, gpus, index_rows=opts.get("--index-rows"),
+                           index_dim=opts.get("--index-dim"), host_gib=host_gib, gpus_per_node=per_node,
+                           host_source=source)
     except memory.ShapeError as exc:
         print(f"memory report: {exc}", file=sys.stderr)
         return 2

@@ -93,14 +93,15 @@ class Trainer:
         from fastcredit.distributed.fsdp import FrozenModel
 
         cfg, o = self.cfg, self.cfg.optim
-        lm = C.load_policy(cfg, self.tokenizer)
+        lm = C.load_policy(cfg, self.tokenizer, self.info)  # meta on ranks other than 0 (C.loads_on_rank0)
         if cfg.warmstart.enabled:
             self._warm_start(lm)
             lm.cpu()
         self.compute_dtype = compute_dtype(cfg.distributed, self.info, cfg.model.dtype)
         impl = cfg.loss.impl
         # The rollout engine's weights: the HF engine's own copy in the compute dtype; vLLM loads a folder.
-        self.engine_lm = C.frozen_copy(lm, self.compute_dtype) if cfg.rollout.engine == "hf" else None
+        self.engine_lm = C.hf_engine_copy(cfg, lm, self.compute_dtype, self.info) if cfg.rollout.engine == "hf" \
+            else None
         self.ref = FrozenModel(PolicyModel(C.frozen_copy(lm, self.compute_dtype), impl), self.info) \
             if cfg.loss.kl_coef or cfg.credit.kl_in_reward else None
         if self.ref is not None and cfg.distributed.colocate and self.info.device.type == "cuda":
@@ -108,8 +109,9 @@ class Trainer:
         # copied before the policy's engine shards lm (ZeRO-3 leaves empty placeholders behind)
         value_lm = C.frozen_copy(lm).requires_grad_(True).train() if estimator_needs(cfg.credit.estimator).value_model \
             else None
-        self.vllm_folder = C.vllm_start_folder(cfg, lm, self.tokenizer, self.out_dir, self.info.rank,
-                                               cfg.warmstart.enabled) if cfg.rollout.engine == "vllm" else None
+        self.vllm_folder, self.vllm_load = C.vllm_start_folder(
+            cfg, lm, self.tokenizer, self.out_dir, self.info.rank, cfg.warmstart.enabled) \
+            if cfg.rollout.engine == "vllm" else (None, None)
         # self.policy / self.value: TrainEngines (callable like the models they wrap)
         self.policy = build_train_engine(PolicyModel(lm, impl), self.info, cfg.distributed,
                                          adamw(lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay), o.grad_clip,
@@ -154,7 +156,7 @@ class Trainer:
         kw, offloaded = {}, False  # measuring what a rollout has free offloads the training state first
         if cfg.rollout.engine == "vllm":
             util, offloaded = C.vllm_memory_share(cfg, dev, self.vllm_folder, train_state, self.say)
-            kw = {"model_path": self.vllm_folder, "memory_utilization": util}
+            kw = {"model_path": self.vllm_folder, "memory_utilization": util, "load_format": self.vllm_load}
         self.engine = make_engine(cfg.rollout.engine, self.engine_lm, self.tokenizer, cfg.rollout, device=dev, **kw)
         self.engine_lm = None  # the engine owns its weights now
         backend = make_backend(cfg, self.engine, dev, policy_config=self.policy.module.lm.config)
@@ -165,6 +167,8 @@ class Trainer:
                                    cfg.distributed.colocate, sync_fn=self._sync_weights, log=self._log_memory,
                                    judge_weights=getattr(backend, "weights", None),
                                    train_on_device=not offloaded)
+        if self.vllm_load == "dummy":
+            self.phases.mark_updated()  # the engine started without weights: the first rollout streams them in
 
     def _sync_weights(self, policy) -> None:
         self.engine.update_weights(policy.full_state(self.engine.weight_dtype))
@@ -297,7 +301,8 @@ class Trainer:
                     values = forward_values(self.value, prompts, batch, self.pad_id, info.device, mt,
                                             self._max_over_ranks)
         with self.timer.phase("advantage"):
-            inputs = CreditInputs.from_batch(batch, reward, values_N=values, old_logp_N=old, ref_logp_N=ref, **extras)
+            inputs = CreditInputs.from_batch(batch, reward, values_N=values, old_logp_N=old, ref_logp_N=ref,
+                                             sum_over_ranks=self._reduce if info.distributed else None, **extras)
             credit = compute_advantages(cfg.credit.estimator, inputs, cfg.credit)
         metrics.update({f"credit/{k}": v for k, v in credit.metrics.items()})
         with self.timer.phase("update"), self.phases.train():

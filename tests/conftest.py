@@ -16,6 +16,9 @@ if not _has_gpu():
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Process groups follow NCCL's device rules (fastcredit.distributed.process_group): every torchrun test builds its
+# group as on GPUs, gloo standing in for NCCL on the cuda device type only. Plain gloo keeps its own tests.
+os.environ.setdefault("FASTCREDIT_EMULATE_NCCL", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs one pytest-xdist worker per core: each worker (and every subprocess it starts) gets one
     # intra-op thread, so two workers never oversubscribe two cores with spinning OpenMP threads.

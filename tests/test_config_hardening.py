@@ -90,6 +90,7 @@ def test_every_number_out_of_range_is_refused_naming_the_key(key):
     ("model.tiny_heads=3", "model.tiny_hidden=128 must be a multiple of model.tiny_heads=3"),
     ("data.toy.num_cities=3", r"data.toy: num_cities \(3\) must be at least num_countries \(30\)"),
     ("retrieval.build_index=never", "retrieval.build_index=never needs retrieval.index"),
+    ("rollout.tensor_parallel=2", "rollout.tensor_parallel=2: each rank's rollout engine runs in the trainer's"),
 ])
 def test_the_issues_nonsense_values_are_refused(item, message):
     with pytest.raises(ConfigError, match=message):

@@ -21,7 +21,9 @@ def test_the_gpu_check_runs_on_a_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     status = {p.stem[6:]: json.load(open(p))["status"] for p in out.glob("stage_*.json")}
     assert status == {"env": "passed", "build": "not run", "tests": "not run", "kernels": "passed",
-                      "train": "passed", "rollout": "not run", "step": "not run", "nsys": "not run"}
+                      "train": "passed", "ranks": "not run", "rollout": "not run", "step": "not run",
+                      "nsys": "not run"}
+    assert "needs 2 or more GPUs" in json.load(open(out / "stage_ranks.json"))["reason"]
     env = json.load(open(out / "env.json"))
     assert env["cuda_available"] is False and "torch" in env and "vllm" in env["packages"]
     rows = [json.loads(line) for line in open(out / "kernels.jsonl")][1:]
@@ -62,6 +64,26 @@ def test_a_check_split_over_two_runs_is_not_a_pass_until_every_stage_ran(tmp_pat
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_STAGES": "env build"}
     proc = subprocess.run(["bash", "bench/gpu_check.sh", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env=env)
-    assert proc.returncode == 1 and "FAILED: tests, kernels, train, rollout, step, nsys" in proc.stdout
+    assert proc.returncode == 1 and "FAILED: tests, kernels, train, ranks, rollout, step, nsys" in proc.stdout
     assert "| kernels | failed | no result in OUTDIR" in (tmp_path / "summary.md").read_text()
     assert json.load(open(tmp_path / "stage_build.json"))["status"] == "not run"
+
+
+def test_ranks_stage_counts_the_gpus_of_the_runs_own_processes(tmp_path, monkeypatch):
+    """The sampler reads nvidia-smi's compute apps and keeps the GPUs of the run's processes only."""
+    import threading
+
+    from gpu_check_ranks import _descendants, _sample_gpus
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho '101, GPU-aaa, 500 MiB'\necho '102, GPU-bbb, 700 MiB'\n"
+                    "echo '999, GPU-ccc, 900 MiB'\necho 'No running processes found'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    seen, stop = {}, threading.Event()
+    t = threading.Thread(target=_sample_gpus, args=(lambda: {101, 102}, stop, seen))
+    t.start()
+    threading.Timer(1.5, stop.set).start()
+    t.join(10)
+    assert seen == {"GPU-aaa": 500, "GPU-bbb": 700}
+    assert os.getpid() in _descendants(os.getppid())

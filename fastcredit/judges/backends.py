@@ -24,6 +24,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Optional
 
+from fastcredit.distributed.devices import on_device
 from fastcredit.judges.types import JudgeItem
 
 
@@ -131,6 +132,7 @@ class EngineBackend:
         kw = {} if self.tokenizer is None else {"tokenizer": self.tokenizer}
         if self.constrained:
             kw["constraints"] = [grammar_of(r, self.max_tokens) for r in requests]
-        return list(await asyncio.to_thread(self.engine.generate_text, [self._text(r.prompt) for r in requests],
+        generate = on_device(getattr(self.engine, "device", None), self.engine.generate_text)
+        return list(await asyncio.to_thread(generate, [self._text(r.prompt) for r in requests],
                                             self.max_tokens, [temperature_of(self, r) for r in requests],
                                             seeds=[retry_seed(r) for r in requests], **kw))

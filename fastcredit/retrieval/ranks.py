@@ -30,6 +30,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from fastcredit.distributed.devices import bind_thread, hand_over, record, side_stream
+from fastcredit.distributed.process_group import serves
 from fastcredit.retrieval.ops import merge_topk
 
 _FAILED = -2  # a row no shard returns (rows are >= 0, or -1 for none): "my search failed" in step 5
@@ -40,8 +42,10 @@ class _Search:
 
     def __init__(self, q: torch.Tensor, k: int):
         self.q, self.k = q, k
+        self.ready = record(q.device)  # the caller's stream wrote q; the round thread's stream waits for it
         self.done = threading.Event()
         self.result: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.written = None  # the round stream's event after the result
         self.error: Optional[BaseException] = None
 
 
@@ -78,7 +82,9 @@ class CrossRankIndex:
         if (dist.get_rank(self._group), dist.get_world_size(self._group)) != (rank, world_size):
             raise ValueError(f"rank {rank} of {world_size} given, but the process group has this process as rank "
                              f"{dist.get_rank(self._group)} of {dist.get_world_size(self._group)}")
-        self._comm = shard.device if dist.get_backend(self._group) == "nccl" else torch.device("cpu")
+        # on a GPU the group is cpu:gloo,cuda:nccl (process_group.backend_for): the rounds gather on the device
+        cuda = shard.device.type == "cuda" and serves("cuda", self._group)
+        self._comm = shard.device if cuda else torch.device("cpu")
         self._cv = threading.Condition()
         self._pending: collections.deque[_Search] = collections.deque()
         self._taken: list[_Search] = []     # the round thread's current searches
@@ -114,6 +120,7 @@ class CrossRankIndex:
         job.done.wait()
         if job.error is not None:
             raise RuntimeError(f"cross-rank retrieval failed: {job.error}") from job.error
+        hand_over(job.written, *job.result)
         return job.result
 
     @contextlib.contextmanager
@@ -162,10 +169,11 @@ class CrossRankIndex:
 
     def _rounds(self) -> None:
         try:
-            if self._comm.type == "cuda":
-                torch.cuda.set_device(self._comm)
-            while self._round():
-                pass
+            bind_thread(self._comm)
+            # a stream of its own: the gathers and syncs every few ms must not queue behind vLLM's decode
+            with side_stream(self._comm):
+                while self._round():
+                    pass
         except BaseException as exc:  # every waiting and later search raises it
             with self._cv:
                 self._error = exc
@@ -202,6 +210,8 @@ class CrossRankIndex:
         if sum(counts) == 0:
             return not bool(head[:, 2].all())
         padded = torch.zeros(max(counts), self.dim, device=self._comm)
+        for job in taken:
+            hand_over(job.ready, job.q)
         if taken:
             padded[:count] = torch.cat([j.q for j in taken])
         everyone = self._gather(padded)                                                    # [W, Qmax, D]
@@ -211,7 +221,8 @@ class CrossRankIndex:
         rows = lists[..., K:]
         bad = (rows == _FAILED).flatten(1).any(1).nonzero().flatten().tolist()
         if failure is not None:
-            raise RuntimeError(f"rank {self.rank}'s shard search failed: {type(failure).__name__}: {failure}") from failure
+            raise RuntimeError(f"rank {self.rank}'s shard search failed: "
+                               f"{type(failure).__name__}: {failure}") from failure
         if bad:
             raise RuntimeError(f"rank {bad[0]}'s shard search failed (that rank raised the cause)")
         # NOTE: the float32 scores travel as int64 holding their bits (one collective, not two)
@@ -221,6 +232,7 @@ class CrossRankIndex:
         for job in taken:
             n = job.q.shape[0]
             job.result = (s[start:start + n, :job.k].to(self.device), r[start:start + n, :job.k].to(self.device))
+            job.written = record(self.device)
             start += n
             job.done.set()
         with self._cv:

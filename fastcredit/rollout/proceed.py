@@ -19,6 +19,7 @@ import asyncio
 import math
 from typing import Callable, Optional, Sequence
 
+from fastcredit.distributed.devices import on_device
 from fastcredit.rollout.agent import AgentLoop, Episode
 from fastcredit.rollout.engines.base import GenOutput, SamplingParams
 
@@ -101,7 +102,8 @@ class ProceedHook:
         if self.self_refine:
             ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
             return await self.refiner.agenerate(ids, params)
-        text = (await asyncio.to_thread(self.refiner.generate_text, [prompt], params.max_tokens, params.temperature))[0]
+        generate = on_device(getattr(self.refiner, "device", None), self.refiner.generate_text)
+        text = (await asyncio.to_thread(generate, [prompt], params.max_tokens, params.temperature))[0]
         cut = [(text.find(s) + len(s), s) for s in params.stop if s in text]
         end, stop = min(cut) if cut else (len(text), None)
         ids = list(self.tokenizer(text[:end], add_special_tokens=False)["input_ids"])[: params.max_tokens]

@@ -67,9 +67,14 @@ def _fwd_kernel(HID, W, TGT, PART, N, V, H, stride_hn, stride_wv, inv_temp, v_pe
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     t = tl.zeros([BLOCK_N], dtype=tl.float32)
     zt = tl.zeros([BLOCK_N], dtype=tl.float32)
+    offs_v = tl.arange(0, BLOCK_V)  # [BLOCK_V] int32
     for v0 in range(v_lo, v_hi, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-        valid = (cols < v_hi)[None, :]
+        cols = v0 + offs_v  # [BLOCK_V] int64, for the addresses only
+        # The [BLOCK_N, BLOCK_V] epilogue compares int32 offsets within the tile: int64 column indices held
+        # per element were most of this kernel's register pressure (README.md, "Launch shapes on a GPU").
+        valid = (offs_v < tl.minimum(v_hi - v0, BLOCK_V).to(tl.int32))[None, :]
+        tgt_v = tgt - v0  # [BLOCK_N]
+        tgt_v = tl.where((tgt_v >= 0) & (tgt_v < BLOCK_V), tgt_v, -1).to(tl.int32)
         z = _logits_tile(HID, W, rows, cols, N, v_hi, H, stride_hn, stride_wv, BLOCK_N, BLOCK_V, BLOCK_H,
                          EVEN_H, DOT_F32, PRECISION) * inv_temp
         z = tl.where(valid, z, float("-inf"))  # [BLOCK_N, BLOCK_V]
@@ -80,7 +85,7 @@ def _fwd_kernel(HID, W, TGT, PART, N, V, H, stride_hn, stride_wv, inv_temp, v_pe
         e = tl.exp(d)
         t = alpha * (t + shift * s) + tl.sum(e * tl.where(valid, d, 0.0), 1)
         s = alpha * s + tl.sum(e, 1)
-        zt += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), 1)
+        zt += tl.sum(tl.where(offs_v[None, :] == tgt_v[:, None], z, 0.0), 1)
         m = m_new
     out = PART + pid_s.to(tl.int64) * N + rows  # PART is [4, K, N]; plane = K * N
     rmask = rows < N
@@ -133,7 +138,9 @@ def _dlogits_kernel(HID, W, TGT, LSE, ENT, GLOGP, GENT, DZ, N, V, H, c0, c_hi, s
     pid_n = first_n + (pid % (GROUP_N * n_pid_v)) % group_size
     pid_v = (pid % (GROUP_N * n_pid_v)) // group_size
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    cols = c0 + pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    offs_v = tl.arange(0, BLOCK_V)  # [BLOCK_V] int32, as in the forward's epilogue
+    v0 = c0 + pid_v.to(tl.int64) * BLOCK_V
+    cols = v0 + offs_v  # [BLOCK_V] int64, for the addresses only
     rmask = rows < N
     z = _logits_tile(HID, W, rows, cols, N, c_hi, H, stride_hn, stride_wv, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H,
                      DOT_F32, PRECISION) * inv_temp
@@ -143,13 +150,16 @@ def _dlogits_kernel(HID, W, TGT, LSE, ENT, GLOGP, GENT, DZ, N, V, H, c0, c_hi, s
     if HAS_GLOGP:
         tgt = tl.load(TGT + rows, mask=rmask, other=-1).to(tl.int64)
         g = tl.load(GLOGP + rows, mask=rmask & (tgt >= 0) & (tgt < V), other=0.0).to(tl.float32)
-        dz += g[:, None] * (tl.where(cols[None, :] == tgt[:, None], 1.0, 0.0) - p)
+        tgt_v = tgt - v0  # [BLOCK_N]
+        tgt_v = tl.where((tgt_v >= 0) & (tgt_v < BLOCK_V), tgt_v, -1).to(tl.int32)
+        dz += g[:, None] * (tl.where(offs_v[None, :] == tgt_v[:, None], 1.0, 0.0) - p)
     if HAS_GENT:
         mu = lse - tl.load(ENT + rows, mask=rmask, other=0.0)  # Σ p z = lse - entropy
         g_ent = tl.load(GENT + rows, mask=rmask, other=0.0).to(tl.float32)
         dz -= g_ent[:, None] * p * (z - mu[:, None])
-    out = DZ + rows[:, None] * stride_dz + (cols - c0)[None, :]
-    tl.store(out, (dz * inv_temp).to(DZ.dtype.element_ty), mask=rmask[:, None] & (cols < c_hi)[None, :])
+    col_dz = pid_v * BLOCK_V + offs_v  # [BLOCK_V] int32 column in the chunk
+    out = DZ + rows[:, None] * stride_dz + col_dz[None, :]
+    tl.store(out, (dz * inv_temp).to(DZ.dtype.element_ty), mask=rmask[:, None] & (col_dz < c_hi - c0)[None, :])
 
 
 @dataclass(frozen=True)
@@ -164,24 +174,55 @@ class LogprobConfig:
     group_n: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    max_registers: Optional[int] = None  # ptxas's cap per thread (Triton's ``maxnreg``); None: ptxas decides
+    fp32_precision: str = "ieee"  # tl.dot input_precision for fp32 inputs on a GPU: "ieee" (FMA) or "tf32x3"
 
 
-def default_config(N: int, V: int, H: int, dtype: torch.dtype) -> LogprobConfig:
-    """Launch shape for these sizes: large tiles on the interpreter, where every program costs ~ms."""
-    if interpreted():
-        return LogprobConfig(block_n=min(512, triton.next_power_of_2(max(N, 16))), block_v=1024,
-                             block_h=min(64, triton.next_power_of_2(max(H, 16))), n_splits=2, chunk_v=4096)
-    cfg = LogprobConfig() if dtype != torch.float32 else LogprobConfig(block_h=32, num_stages=2)
+def gpu_config(N: int, V: int, H: int, dtype: torch.dtype, arch: int = 90) -> LogprobConfig:
+    """Launch shape on an ``sm_<arch>`` GPU (default 90: H100), whether or not Triton is interpreted.
+
+    The figures behind each choice (registers, spills, shared memory, blocks per SM, from
+    ``bench/gpu_preflight_kernels.py``) are in README.md, "Launch shapes on a GPU".
+    """
+    if dtype != torch.float32:
+        # sm_90: two blocks of 8 warps per SM (128 registers each, no spill), so one block's softmax
+        # epilogue overlaps the other's wgmma main loop.
+        cfg = LogprobConfig(num_stages=2, max_registers=128) if arch == 90 else LogprobConfig()
+    elif arch >= 90:
+        cfg = LogprobConfig(block_h=32, num_stages=2, fp32_precision="tf32x3")  # 3xTF32 on the tensor cores
+    elif arch >= 80:
+        cfg = LogprobConfig(block_v=64, block_h=32, fp32_precision="tf32x3")  # 3xTF32 at 128 x 128 spills here
+    else:
+        cfg = LogprobConfig(block_h=32, num_stages=2)
     # NOTE: dlogits chunk C × N elements; at most ~1 GiB so the backward stays far below the unfused peak.
     elt = torch.finfo(dtype).bits // 8
     chunk = max(cfg.block_v, min(cfg.chunk_v, (1 << 30) // max(N * elt, 1)) // cfg.block_v * cfg.block_v)
     return replace(cfg, chunk_v=chunk)
 
 
-def _dot_flags(dtype: torch.dtype) -> dict:
-    upcast = interpreted()
-    exact = upcast or dtype == torch.float32
-    return dict(DOT_F32=upcast, PRECISION="ieee" if exact else "tf32")
+def _target_arch() -> int:
+    """The compute capability (e.g. 90) Triton compiles for now; 0 for a GPU that is not CUDA."""
+    target = triton.runtime.driver.active.get_current_target()
+    return target.arch if target.backend == "cuda" and isinstance(target.arch, int) else 0
+
+
+def default_config(N: int, V: int, H: int, dtype: torch.dtype) -> LogprobConfig:
+    """Launch shape for these sizes: large tiles on the interpreter, where every program costs ~ms; else
+    :func:`gpu_config` for the GPU Triton compiles for."""
+    if interpreted():
+        return LogprobConfig(block_n=min(512, triton.next_power_of_2(max(N, 16))), block_v=1024,
+                             block_h=min(64, triton.next_power_of_2(max(H, 16))), n_splits=2, chunk_v=4096)
+    return gpu_config(N, V, H, dtype, _target_arch())
+
+
+def _launch_flags(dtype: torch.dtype, cfg: LogprobConfig) -> dict:
+    """tl.dot flags and launch options of the matmul kernels."""
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.max_registers:
+        opts["maxnreg"] = cfg.max_registers
+    if interpreted():
+        return dict(DOT_F32=True, PRECISION="ieee", **opts)
+    return dict(DOT_F32=False, PRECISION=cfg.fp32_precision if dtype == torch.float32 else "tf32", **opts)
 
 
 def linear_logprob_fwd(hidden_NH, weight_VH, target_N, temperature: float, cfg: LogprobConfig):
@@ -201,8 +242,7 @@ def linear_logprob_fwd(hidden_NH, weight_VH, target_N, temperature: float, cfg: 
     grid = (triton.cdiv(N, cfg.block_n) * n_splits,)
     _fwd_kernel[grid](hidden_NH, weight_VH, target_N, part, N, V, H, hidden_NH.stride(0), weight_VH.stride(0),
                       1.0 / temperature, v_per_split, n_splits, n_splits * N, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v,
-                      BLOCK_H=cfg.block_h, EVEN_H=H % cfg.block_h == 0, num_warps=cfg.num_warps,
-                      num_stages=cfg.num_stages, **_dot_flags(hidden_NH.dtype))
+                      BLOCK_H=cfg.block_h, EVEN_H=H % cfg.block_h == 0, **_launch_flags(hidden_NH.dtype, cfg))
     block = 1024
     _combine_kernel[(triton.cdiv(N, block),)](part, target_N, logp_N, entropy_N, lse_N, N, V, n_splits,
                                               n_splits * N, BLOCK=block, num_warps=4)
@@ -247,7 +287,7 @@ def linear_logprob_bwd(g_logp_N, g_ent_N, hidden_NH, weight_VH, target_N, lse_N,
                 hidden_NH.stride(0), weight_VH.stride(0), dz_NC.stride(0), 1.0 / temperature,
                 HAS_GLOGP=g_logp_N is not None, HAS_GENT=g_ent_N is not None, GROUP_N=cfg.group_n,
                 BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_H=H % cfg.block_h == 0,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_dot_flags(hidden_NH.dtype))
+                **_launch_flags(hidden_NH.dtype, cfg))
         dz = dz_NC[:, : c_hi - c0]  # [N, C]
         if need_dw:
             torch.mm(dz.t(), hidden_NH, out=dw_VH[c0:c_hi])

@@ -197,11 +197,16 @@ class SurrogateParams:
     block: int
 
 
+def gpu_block(n: int) -> int:
+    """Tokens per program on a GPU (8 warps: 8 tokens a thread), whether or not Triton is interpreted."""
+    return 2048
+
+
 def default_block(n: int) -> int:
-    """Tokens per program: 2048 on a GPU; on the interpreter few, large programs (it pays per program)."""
+    """Tokens per program: :func:`gpu_block` on a GPU; on the interpreter few, large programs (it pays per program)."""
     if interpreted():
         return max(128, min(4096, triton.next_power_of_2(max(n, 1))))
-    return 2048
+    return gpu_block(n)
 
 
 def turn_counts(seg_id_N: torch.Tensor, loss_mask_N: Optional[torch.Tensor], S: int, block: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ import torch
 
 from fastcredit.kernels._dispatch import IMPL_ENV
 from fastcredit.kernels.linear_logprob import LogprobConfig, linear_logprob_naive, linear_logprob_triton
+from fastcredit.kernels.linear_logprob.triton import gpu_config
 from fastcredit.loss import linear_logprob
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,7 +51,8 @@ def assert_close(got, ref, dtype, naive_lowp=None):
         assert not torch.isnan(t).any(), "an output element was never written"
     err = {n: (a.double().cpu() - b.cpu()).abs().max().item() for n, a, b in zip(NAMES, got, ref)}
     if dtype == torch.float32:
-        # fp32 arithmetic (tl.dot in IEEE fp32, not TF32): relative to each output's largest magnitude.
+        # fp32 accuracy (the interpreter's tl.dot in fp32; on a GPU, 3xTF32 on sm_80+: gpu_config, README.md):
+        # relative to each output's largest magnitude.
         scale = {n: b.abs().max().item() for n, b in zip(NAMES, ref)}
         bad = {n: (e, scale[n]) for n, e in err.items() if e > 1e-5 * scale[n]}
     else:
@@ -61,15 +63,20 @@ def assert_close(got, ref, dtype, naive_lowp=None):
 
 
 CASES = {"N1000-H64-V4099": (1000, 64, 4099), "N1000-H64-V1000": (1000, 64, 1000)}
+# The H100's launch shape (gpu_config: 128 x 128 tiles, 16 vocabulary splits) under the interpreter, which pays
+# per program: one small case, 17 vocabulary tiles in splits of 2 (7 splits empty), H ragged against BLOCK_H.
+H100_CASES = {"N97-H80-V2171": (97, 80, 2171)}
+RUNS = [(case, "interp") for case in CASES] + [(case, "h100") for case in H100_CASES]
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("case", list(CASES))
-def test_forward_and_gradients_match_reference(case, dtype_name):
-    N, H, V = CASES[case]
+@pytest.mark.parametrize("case, launch", RUNS, ids=[c if launch == "interp" else f"{c}-{launch}" for c, launch in RUNS])
+def test_forward_and_gradients_match_reference(case, launch, dtype_name):
+    N, H, V = {**CASES, **H100_CASES}[case]
     dtype = DTYPES[dtype_name]
     hidden, weight, target, g_logp, g_ent = make_inputs(N, H, V, dtype, seed=V)
-    got = run(linear_logprob_triton, hidden, weight, target, 0.7, g_logp, g_ent)
+    config = gpu_config(N, V, H, dtype) if launch == "h100" else None
+    got = run(linear_logprob_triton, hidden, weight, target, 0.7, g_logp, g_ent, config=config)
     ref = reference(hidden, weight, target, 0.7, g_logp, g_ent)
     naive_lowp = run(linear_logprob_naive, hidden, weight, target, 0.7, g_logp, g_ent) if dtype != torch.float32 \
         else None

