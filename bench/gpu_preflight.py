@@ -10,7 +10,7 @@ Stages, each into OUTDIR as it goes, then OUTDIR/summary.md:
   above the per-block limit, or a spill in the linear log-prob.
 * build: ``fastcredit._C`` built against a CUDA build of torch with the Makefile's own command,
   then the Makefile's own import line in a fresh process (``bench/gpu_preflight_build.py``):
-  ``build/build.json``. The first run installs torch into a venv of its own (about 5.5 GB, ~7
+  ``extension/build.json``. The first run installs torch into a venv of its own (about 5.5 GB, ~7
   minutes); later runs reuse it (~1 minute).
 * rules: the distributed rules of the GPU path on two gloo ranks: the process group built as
   on GPUs (NCCL's device dispatch, gloo standing in), vLLM's executor and device for rank 3 of
@@ -67,9 +67,9 @@ def stage_kernels(out: str, arch: str) -> dict:
 
 
 def stage_build(out: str) -> dict:
-    rc, s = run([sys.executable, "bench/gpu_preflight_build.py", os.path.join(out, "build")],
+    rc, s = run([sys.executable, "bench/gpu_preflight_build.py", os.path.join(out, "extension")],
                 os.path.join(out, "build_stage.log"))
-    path = os.path.join(out, "build", "build.json")
+    path = os.path.join(out, "extension", "build.json")
     info = json.load(open(path)) if os.path.exists(path) else {}
     note = f"failed at {info.get('failed_step')}" if rc else \
         f"torch {info.get('torch')}, archs {info.get('torch_cuda_arch_list')}, import ok"
