@@ -24,7 +24,7 @@ import time
 import torch
 
 from fastcredit.credit import CreditInputs, get_estimator
-from fastcredit.credit.config import CreditConfig
+from fastcredit.config.credit import CreditConfig
 from results_io import device_name, write_results
 
 SEARCH, ANSWER = 0, 1

@@ -120,9 +120,9 @@ def policy_inputs(shape: LogprobShape, seed: int = 1) -> dict:
 
 def ours_policy(x: dict, provider: str):
     """fastcredit: log-prob (fused or naive) then the policy loss (fused or torch), token-mean over action tokens."""
-    from fastcredit.loss_config import LossConfig
+    from fastcredit.config.loss import LossConfig
     from fastcredit.kernels.turn_surrogate import turn_surrogate_loss
-    from fastcredit.loss import loss_counts, policy_loss_torch
+    from fastcredit.trainer.loss import loss_counts, policy_loss_torch
 
     seg = x["seg_id_BL"].reshape(-1)
     traj_S = torch.repeat_interleave(torch.arange(x["B"], device=DEVICE), x["T"])

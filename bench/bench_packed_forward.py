@@ -7,7 +7,7 @@ Legend: B trajectories, L the longest prompt + response, T the real tokens (Σ p
 
 The batch: ``--trajectories`` responses with log-uniform lengths in ``[--min-len, --max-len]``
 (agent trajectories are skewed: a few long ones, many short), prompts of ``--prompt`` tokens.
-The padded side is what ``fastcredit.actor`` ran before: right-padded ``[B, L]`` ids with an
+The padded side is what ``fastcredit.trainer.update`` ran before: right-padded ``[B, L]`` ids with an
 attention mask through the HF decoder (sdpa), then the hidden states gathered at each
 response token's predictor and the same fused log-prob. The packed side is today's
 ``PolicyModel(model_inputs(...))``. Both run on copies of one model, input building
@@ -54,7 +54,7 @@ def make_batch(args):
 
 def padded_logprobs(lm, prompts, batch, device, impl):
     """The former path: ``[B, L]`` + attention mask, hidden states gathered at ``(row_N, pos_N)``."""
-    from fastcredit.loss import linear_logprob
+    from fastcredit.trainer.loss import linear_logprob
 
     B = batch.num_trajectories
     P_B = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
@@ -89,7 +89,7 @@ def _load_average() -> float:
 
 
 def run(args) -> dict:
-    from fastcredit.actor import PolicyModel, model_inputs
+    from fastcredit.trainer.update import PolicyModel, model_inputs
     from fastcredit.models.tiny import build_tiny_policy
 
     device = torch.device(args.device)

@@ -57,7 +57,7 @@ def skewed_actions(example, rng: random.Random) -> list:
 
 def warm_start(lm, tok, examples, prompts, searcher, epochs: int, seed: int, device: str) -> list:
     from fastcredit.data.toyqa import question_hops
-    from fastcredit.sft import sft_sequences, sft_train
+    from fastcredit.trainer.sft import sft_sequences, sft_train
 
     queries = sorted({h["query"] for ex in examples for h in question_hops(ex)})
     obs = dict(zip(queries, (o for o, _ in searcher(queries))))
@@ -93,7 +93,7 @@ def main() -> None:
 def run(a) -> None:
     import torch
 
-    from fastcredit import components as C
+    from fastcredit.trainer import parts as C
     from fastcredit.config import load_config
     from fastcredit.data.prompts import prompt_ids
     from fastcredit.rollout.agent import AgentLimits, AgentLoop

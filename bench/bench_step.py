@@ -19,7 +19,7 @@ phases, bookkeeping). Rows marked "of which" sit inside them: generation (second
 flight), retrieval wait (seconds with only retrieval in flight), weight sync, offload / reload
 (training state and frozen models), engine sleep / wake.
 
-``--shape`` takes a model of ``fastcredit.memory``'s presets (Qwen2.5-0.5B, Qwen2.5-3B, ...) and
+``--shape`` takes a model of ``fastcredit.trainer.memory``'s presets (Qwen2.5-0.5B, Qwen2.5-3B, ...) and
 builds the tiny Qwen2 with its layers, widths, heads and vocabulary rows, weights random (timing
 needs no training). Writes ``bench/results/step_<shape>_<device>.{json,md,png}``.
 """
@@ -65,7 +65,7 @@ def shape_overrides(name: str) -> list[str]:
     """``model.tiny_*`` overrides giving the tiny policy the layers, widths, heads and vocabulary of a preset."""
     if name == "tiny":
         return []
-    from fastcredit.memory import PRESETS
+    from fastcredit.trainer.memory import PRESETS
 
     s = PRESETS.get(name.lower())
     if s is None:
@@ -138,7 +138,7 @@ def run_design(name: str, config: str, overrides: list[str], work: str, steps: i
     """Train ``warmup + steps`` steps of one design in this process; the timed steps' metrics rows."""
     from fastcredit.config import load_config
     from fastcredit.distributed.process_group import init_distributed
-    from fastcredit.trainer import Trainer
+    from fastcredit.trainer.loop import Trainer
 
     out = os.path.join(work, name)
     paths = [config] + ([DESIGN] if name == "searchr1_design" else [])
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "debug.yaml"), help="the method's config")
     p.add_argument("--steps", type=int, default=3, help="timed steps per design")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per design first")
-    p.add_argument("--shape", default="tiny", help="tiny, or a preset of fastcredit.memory (random weights)")
+    p.add_argument("--shape", default="tiny", help="tiny, or a preset of fastcredit.trainer.memory (random weights)")
     p.add_argument("--work", default=None, help="folder for the runs and the toy world (default: a temporary one)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("overrides", nargs="*", help="key=value config overrides, applied to both designs")

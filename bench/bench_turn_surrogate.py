@@ -4,7 +4,7 @@
 
 Legend: N packed tokens, S turns, B trajectories.
 
-Providers: ``torch`` is ``fastcredit.loss.policy_loss_torch`` run eagerly on the GPU (the
+Providers: ``torch`` is ``fastcredit.trainer.loss.policy_loss_torch`` run eagerly on the GPU (the
 reference the kernel replaces), ``compile`` the same under ``torch.compile``, ``triton``
 ``fastcredit.kernels.turn_surrogate.turn_surrogate_loss``. liger-kernel has no loss that
 starts from per-token log-probs (its ``triton_grpo_loss`` starts from ``[B, L+1, V]``
@@ -61,7 +61,7 @@ def bytes_moved(N: int, S: int, mode: str, agg: str) -> float:
 
 def loss_fn(provider: str):
     from fastcredit.kernels.turn_surrogate import turn_surrogate_loss
-    from fastcredit.loss import policy_loss_torch
+    from fastcredit.trainer.loss import policy_loss_torch
 
     if provider == "torch":
         return policy_loss_torch
@@ -74,8 +74,8 @@ def loss_fn(provider: str):
 
 def make_case(batch: dict, provider: str, agg: str, mode: str):
     """The callable to time for ``mode`` (fwd builds the autograd graph, as training does)."""
-    from fastcredit.loss_config import LossConfig
-    from fastcredit.loss import loss_counts
+    from fastcredit.config.loss import LossConfig
+    from fastcredit.trainer.loss import loss_counts
 
     cfg = LossConfig(agg_mode=agg, clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=1e-3, entropy_coef=1e-3)
     logp = batch["logp_N"].clone().requires_grad_()

@@ -224,7 +224,7 @@ def random_policy(work: str, cuda: bool, name: str = "policy", seed: int = 0) ->
     few-thousand-parameter model on the CPU. ``name`` / ``seed``: a second one of the same
     architecture is the frozen critic whose weights switch into the rollout engine.
     """
-    from fastcredit import components
+    from fastcredit.trainer import parts as components
     from fastcredit.config import load_config
     from fastcredit.models.tiny import build_tiny_policy, save_tiny_policy
 

@@ -42,8 +42,8 @@ from shapes import LOGPROB_SHAPES, LOSS_SHAPES  # noqa: E402
 
 from fastcredit.kernels.linear_logprob import linear_logprob_triton  # noqa: E402
 from fastcredit.kernels.turn_surrogate import AGG_MODES, turn_surrogate_loss  # noqa: E402
-from fastcredit.loss import LossCounts  # noqa: E402
-from fastcredit.loss_config import LossConfig  # noqa: E402
+from fastcredit.trainer.loss import LossCounts  # noqa: E402
+from fastcredit.config.loss import LossConfig  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SEG_DTYPES = {"int32": torch.int32, "int64": torch.int64}

@@ -7,7 +7,7 @@
 
 ``--profile`` opens the capture window before the trainer's third step and closes it three steps later
 (steps 3, 4, 5 of metrics.jsonl), and every phase of a step is an NVTX push/pop range of the domain
-``fastcredit`` (``fastcredit/profiling.py``): ``step`` around the whole step; inside it rollout, reward,
+``fastcredit`` (``fastcredit/runtime/profiling.py``): ``step`` around the whole step; inside it rollout, reward,
 judge, old_logprobs, ref_logprobs, values, advantage, update; checkpoint and eval between steps; and the
 colocation manager's sync_weights, switch_to_critic, offload, reload, engine_sleep, engine_wake, nested
 inside those phases. The same phases are the ``time/<phase>`` (``time/colocate/<name>``) of metrics.jsonl.

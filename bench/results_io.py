@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from fastcredit.profiling import device_name, device_slug  # noqa: F401  (re-exported for the benchmarks)
+from fastcredit.runtime.profiling import device_name, device_slug  # noqa: F401  (re-exported for the benchmarks)
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

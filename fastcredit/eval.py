@@ -9,7 +9,7 @@ data source, in the papers' table layout.
 ``--model`` is a Hugging Face folder, or a run folder (its checkpoint is exported once into
 ``<run>/exports/step_N`` by :func:`fastcredit.export.export_checkpoint`; the run's
 ``config.yaml`` is the default config). Rollouts are greedy (temperature 0) through
-:func:`fastcredit.components.agent_loop` with the config's turn and token limits and the
+:func:`fastcredit.trainer.parts.agent_loop` with the config's turn and token limits and the
 config's retriever, on the vLLM engine where a GPU and vLLM are there, else the HF engine.
 
 Scores: EM exactly as Search-R1's ``verl/utils/reward_score/qa_em.py`` (lower case, ASCII
@@ -22,7 +22,7 @@ sources (the papers' "Avg."). Written to ``<out>/results.md`` and ``<out>/result
 Every scored question is appended to ``<out>/predictions.jsonl`` as it finishes a chunk; an
 interrupted evaluation started again with the same arguments skips what is there (a different
 model, data file or config is refused rather than mixed in; ``--fresh`` starts over, moving the old
-predictions aside). The scoring, the table and the cache live in :mod:`fastcredit.evaluation`,
+predictions aside). The scoring, the table and the cache live in :mod:`fastcredit.trainer.heldout`,
 which the trainer's periodic evaluation uses too, so its ``eval/em/<source>`` metrics are computed
 the same way.
 
@@ -38,7 +38,7 @@ from typing import Iterable, Optional
 
 from fastcredit.config import ConfigError, TrainConfig, load_config, parse_cli
 from fastcredit.data.loaders import DataError, QAExample
-from fastcredit.evaluation import (RESULTS_JSON, RESULTS_MD, SEARCHR1_IN_DOMAIN, PredictionCache, atomic_json,
+from fastcredit.trainer.heldout import (RESULTS_JSON, RESULTS_MD, SEARCHR1_IN_DOMAIN, PredictionCache, atomic_json,
                                    format_markdown, sample_per_source, score_records, source_sums, summarize)
 
 SYNOPSIS = ("python -m fastcredit.eval --model DIR|runs/X [--step N] [--data FILE] [flags] "
@@ -78,7 +78,7 @@ def _is_run(path: str) -> bool:
 
 
 def _run_step(run: str, step: Optional[int]) -> int:
-    from fastcredit.checkpoint import latest_checkpoint
+    from fastcredit.distributed.checkpoint import latest_checkpoint
 
     if step is not None:
         return step
@@ -128,7 +128,7 @@ def _training_sources(cfg: TrainConfig) -> Optional[set]:
 
 def _eval_data(cfg: TrainConfig, data: Optional[str], split: str) -> tuple[list[QAExample], str, str]:
     """``(examples, the file they came from, the corpus the retriever reads)``."""
-    from fastcredit import components as C
+    from fastcredit.trainer import parts as C
     from fastcredit.data.loaders import load_qa
 
     if data is not None:  # read first: a wrong path fails before anything is generated or built
@@ -184,7 +184,7 @@ def open_policy(cfg: TrainConfig, folder: str, corpus: str, engine: str = "auto"
     """``(tokenizer, engine, searcher, engine kind, device)``: the model in ``folder`` ready to roll out on this
     machine's device with the config's retriever (``engine``: auto | vllm | hf)."""
     import torch
-    from fastcredit import components as C
+    from fastcredit.trainer import parts as C
     from fastcredit.export import load_tokenizer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -225,7 +225,7 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
              progress: bool = True) -> dict:
     """Evaluate ``model`` (a Hugging Face folder or a run folder); returns the summary written to ``out``."""
     from tqdm import tqdm
-    from fastcredit import components as C
+    from fastcredit.trainer import parts as C
     from fastcredit.data.prompts import example_prompt_ids
 
     if batch < 1 or (limit is not None and limit < 1):
@@ -286,13 +286,13 @@ def model_config(model: str, rest: list) -> TrainConfig:
 
 
 def main(argv: Optional[list] = None) -> int:
-    from fastcredit.checkpoint import CheckpointError
-    from fastcredit.cli import take_flags
+    from fastcredit.distributed.checkpoint import CheckpointError
+    from fastcredit.config.help import take_flags
     from fastcredit.export import ExportError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        from fastcredit.cli import format_usage, handle_help
+        from fastcredit.config.help import format_usage, handle_help
 
         handle_help(argv, format_usage(SYNOPSIS, __doc__, FLAG_HELP))
     try:

@@ -7,9 +7,9 @@
 The folder holds config.json, model.safetensors (sharded with an index above --max-shard-size),
 the tokenizer's files and generation_config.json. The architecture comes from the run itself:
 its config.yaml (the merged TrainConfig) builds the policy as the trainer does
-(``fastcredit.components.load_policy``; the tiny policy's tokenizer is the one in the run
+(``fastcredit.trainer.parts.load_policy``; the tiny policy's tokenizer is the one in the run
 folder), then the checkpoint's policy weights replace the built ones. Both kinds of checkpoint
-``fastcredit.checkpoint`` writes are read in this one process, without a process group, whatever
+``fastcredit.distributed.checkpoint`` writes are read in this one process, without a process group, whatever
 number of ranks wrote them:
 
 * FSDP2 (``step_N/model/``, DCP): only the keys ``policy.model.lm.<HF name>`` are read (no
@@ -41,7 +41,7 @@ from typing import Callable, Optional
 import torch
 
 # Where the trainer keeps its policy: DCP nests ``{name: {"model": PolicyModel state dict}}``
-# (fastcredit.checkpoint._app_state, named "policy" by Trainer._checkpointed), and PolicyModel holds
+# (fastcredit.distributed.checkpoint._app_state, named "policy" by Trainer._checkpointed), and PolicyModel holds
 # the HF model as ``.lm``; DeepSpeed saves the PolicyModel's own state dict under engine/policy.
 POLICY = "policy"
 DCP_PREFIX = f"{POLICY}.model.lm."
@@ -67,10 +67,10 @@ def _name_deepspeed_accelerator() -> None:
 
 def find_checkpoint(run_dir: str, step: Optional[int] = None) -> str:
     """The folder of ``run_dir``'s checkpoint at ``step`` (default: the one ``checkpoints/latest`` names), its files
-    checked against its manifest (``fastcredit.checkpoint.verify_checkpoint``)."""
+    checked against its manifest (``fastcredit.distributed.checkpoint.verify_checkpoint``)."""
     if not os.path.isdir(run_dir):
         raise ExportError(f"run folder {run_dir} does not exist")
-    from fastcredit.checkpoint import LATEST, CheckpointError, finished_steps, latest_checkpoint, verify_checkpoint
+    from fastcredit.distributed.checkpoint import LATEST, CheckpointError, finished_steps, latest_checkpoint, verify_checkpoint
 
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     steps = sorted(finished_steps(ckpt_dir))
@@ -89,7 +89,7 @@ def find_checkpoint(run_dir: str, step: Optional[int] = None) -> str:
         if step not in steps:
             raise ExportError(f"{ckpt_dir} has no checkpoint at step {step} ({os.path.basename(path)}); "
                               f"available steps: {listing}")
-    problems = verify_checkpoint(path)  # its manifest's sizes and sha256 (fastcredit.checkpoint)
+    problems = verify_checkpoint(path)  # its manifest's sizes and sha256 (fastcredit.distributed.checkpoint)
     if problems:
         raise ExportError(f"{path} is damaged; pass --step with another (available: {listing}):\n  "
                           + "\n  ".join(problems))
@@ -114,7 +114,7 @@ def _check_out(out_dir: str, run_dir: str, force: bool) -> None:
 
 def build_policy(run_dir: str):
     """``(cfg, lm, tokenizer)``: the run's policy as its config.yaml builds it (float32, untrained weights)."""
-    from fastcredit import components as C
+    from fastcredit.trainer import parts as C
     from fastcredit.config import load_config
 
     path = os.path.join(run_dir, "config.yaml")
@@ -326,7 +326,7 @@ def export_checkpoint(run_dir: str, out_dir: str, step: Optional[int] = None, dt
 
 
 def main(argv: Optional[list] = None) -> int:
-    from fastcredit.cli import argparser
+    from fastcredit.config.help import argparser
     from fastcredit.config import ConfigError
 
     p = argparser("python -m fastcredit.export", __doc__)

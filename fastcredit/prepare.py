@@ -26,13 +26,13 @@ import time
 from collections import Counter
 from typing import Optional
 
-from fastcredit.components import Data, load_tokenizer
-from fastcredit.cli import format_usage, handle_help
+from fastcredit.trainer.parts import Data, load_tokenizer
+from fastcredit.config.help import format_usage, handle_help
 from fastcredit.config import ConfigError, TrainConfig, load_config, parse_cli, save_config
 from fastcredit.data.loaders import QAExample, iter_corpus, load_qa
 from fastcredit.data.prompts import build_prompt
 from fastcredit.data.toyworld import generate_world, write_world
-from fastcredit.rewards import score_trajectory
+from fastcredit.credit.rewards import score_trajectory
 
 
 def format_observation(passages: list[tuple[str, str]]) -> str:

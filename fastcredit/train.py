@@ -14,11 +14,11 @@ folder (logging.output_dir) gets metrics.jsonl, curves.png and the checkpoints. 
 held-out EM before and after training is printed.
 
 ``--memory-report`` prints the GPU memory budget of every phase and the host RAM each node
-needs beside it (``fastcredit.memory``) and exits before anything loads: 0 when it fits, 2
+needs beside it (``fastcredit.trainer.memory``) and exits before anything loads: 0 when it fits, 2
 when it cannot run.
 Exit status: 0 done, 2 bad config (or a memory report that cannot run), 3 stopped by the collapse guard.
 
-The training loop is :class:`fastcredit.trainer.Trainer`; this module parses the command line,
+The training loop is :class:`fastcredit.trainer.loop.Trainer`; this module parses the command line,
 starts and ends the process group, and reports.
 """
 from __future__ import annotations
@@ -27,9 +27,9 @@ import os
 import sys
 from typing import Optional
 
-from fastcredit.cli import format_usage, handle_help, take_flags
+from fastcredit.config.help import format_usage, handle_help, take_flags
 from fastcredit.config import ConfigError, load_config, parse_cli
-from fastcredit.config_checks import check_paths
+from fastcredit.config.checks import check_paths
 from fastcredit.distributed.process_group import init_distributed, shutdown
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
@@ -85,7 +85,7 @@ def main(argv: Optional[list] = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    from fastcredit.trainer import CollapseError, Trainer
+    from fastcredit.trainer.loop import CollapseError, Trainer
 
     info = init_distributed(cfg.distributed.backend, cfg.distributed.shard_size)
     trainer = Trainer(cfg, info, resume=resume, profile=profile)
@@ -104,9 +104,9 @@ def main(argv: Optional[list] = None) -> int:
 
 
 def memory_report(cfg, opts: dict) -> int:
-    """Print :func:`fastcredit.memory.format_plan` for ``cfg``; 0 when it can run, 2 otherwise. No process group,
+    """Print :func:`fastcredit.trainer.memory.format_plan` for ``cfg``; 0 when it can run, 2 otherwise. No process group,
     model, data or index is touched (the GPU's size is the one CUDA query, the host's RAM /proc/meminfo)."""
-    from fastcredit import memory
+    from fastcredit.trainer import memory
 
     gpu_gib = opts.get("--gpu-gib")
     if gpu_gib is None:
@@ -134,7 +134,7 @@ def memory_report(cfg, opts: dict) -> int:
 
 def _report(trainer, summary: dict) -> None:
     """Held-out EM before and after, and where the metrics and curves are."""
-    from fastcredit.tracking import plot_metrics
+    from fastcredit.runtime.tracking import plot_metrics
 
     before, after = summary.get("em_before"), summary.get("em_after")
     if after is not None:

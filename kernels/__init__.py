@@ -1,5 +1,5 @@
 """Triton kernels, installed as ``fastcredit.kernels`` (one sub-package per op: naive.py, triton.py, README.md).
 
 ``_dispatch.py`` holds the one implementation choice (torch reference or kernel) that
-``fastcredit.loss`` applies to every op.
+``fastcredit.trainer.loss`` applies to every op.
 """

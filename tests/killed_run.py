@@ -12,8 +12,8 @@ import signal
 import sys
 from collections import Counter
 
-import fastcredit.checkpoint as checkpoint
-import fastcredit.profiling as profiling
+import fastcredit.distributed.checkpoint as checkpoint
+import fastcredit.runtime.profiling as profiling
 from fastcredit.train import main
 
 WHERE, NTH = os.environ["KILL_AT"].split(":")

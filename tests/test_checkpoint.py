@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from fastcredit.checkpoint import (MANIFEST, CheckpointError, checkpoint_candidates, latest_checkpoint,
+from fastcredit.distributed.checkpoint import (MANIFEST, CheckpointError, checkpoint_candidates, latest_checkpoint,
                                    load_checkpoint, resume_checkpoint, save_checkpoint, verify_checkpoint)
 
 

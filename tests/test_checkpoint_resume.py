@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from fastcredit.checkpoint import resume_checkpoint, save_checkpoint
+from fastcredit.distributed.checkpoint import resume_checkpoint, save_checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -1,7 +1,8 @@
 """``--help`` of every command: a usage section of its own (synopsis, flags, examples), config keys by prefix."""
 import pytest
 
-from fastcredit import cli, prepare, train
+from fastcredit import prepare, train
+from fastcredit.config import help as cli
 from fastcredit.config import ConfigError, all_keys, parse_cli
 from fastcredit.retrieval import build, serve
 

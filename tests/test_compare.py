@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from fastcredit.compare import summarize_run, variants
+from fastcredit.compare.runs import summarize_run, variants
 from fastcredit.config import load_config
-from fastcredit.compare_report import format_markdown, mean_interval, steps_to, summarize
+from fastcredit.compare.report import format_markdown, mean_interval, steps_to, summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["data.toy.num_people=80", "data.toy.num_companies=20", "data.toy.num_questions=60", "eval.questions=4",
@@ -102,7 +102,7 @@ def test_variants_and_summaries():
 
 
 def test_status_lines_of_a_run_are_relayed_and_its_step_table_is_not(tmp_path, capsys):
-    from fastcredit.compare import _LogTail
+    from fastcredit.compare.runs import _LogTail
 
     log = tmp_path / "train.log"
     log.write_text("earlier run: not relayed\n")

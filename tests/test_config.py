@@ -9,7 +9,7 @@ import typing
 
 import pytest
 
-from fastcredit.cli import describe
+from fastcredit.config.help import describe
 from fastcredit.config import (
     ConfigError,
     TrainConfig,

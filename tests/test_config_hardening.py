@@ -8,9 +8,9 @@ import typing
 
 import pytest
 
-from fastcredit import components as C
+from fastcredit.trainer import parts as C
 from fastcredit.config import ConfigError, TrainConfig, load_config
-from fastcredit.config_checks import RANGES, _bounds, check_paths
+from fastcredit.config.checks import RANGES, _bounds, check_paths
 from fastcredit.data.loaders import DataError, QAExample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,7 +12,7 @@ import types
 import pytest
 
 from fastcredit.config import ConfigError, all_keys, load_config
-from fastcredit.config_aliases import ALIASES
+from fastcredit.config.aliases import ALIASES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "config-mapping.md")
@@ -179,7 +179,7 @@ def test_other_unknown_keys_still_get_a_guess():
 
 
 def test_the_value_model_warms_up_on_its_own_ratio():
-    from fastcredit.trainer import Trainer, lr_factor
+    from fastcredit.trainer.loop import Trainer, lr_factor
 
     lrs = {"policy": [], "value": []}
     stub = types.SimpleNamespace(cfg=_config("searchr1_ppo"), opt_steps=0, _total_opt_steps=lambda: 2000,

@@ -13,9 +13,9 @@ from dataclasses import replace
 
 import pytest
 
-from fastcredit import components as C
+from fastcredit.trainer import parts as C
 from fastcredit import eval as E
-from fastcredit import evaluation as V
+from fastcredit.trainer import heldout as V
 from fastcredit.config import load_config
 from fastcredit.data.loaders import DataError, QAExample, write_searchr1_parquet
 from fastcredit.data.toyqa import oracle_actions

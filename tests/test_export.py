@@ -2,7 +2,7 @@
 
 One debug run per engine (one process, one step) is trained once for the module: FSDP2 writes DCP, DeepSpeed
 ZeRO-3 its own partitions. The FSDP2 export gives the trainer's own logits at that checkpoint (read back by
-fastcredit.checkpoint into a fresh PolicyModel); the DeepSpeed export holds DeepSpeed's consolidated fp32
+fastcredit.distributed.checkpoint into a fresh PolicyModel); the DeepSpeed export holds DeepSpeed's consolidated fp32
 weights. Checkpoints written by two ranks, and vLLM loading an export, are marked slow.
 """
 import json
@@ -52,9 +52,9 @@ def hf_model(folder):
 
 def trainer_policy(run, step=None):
     """The run's PolicyModel as the trainer builds it; with ``step``, its checkpoint loaded by the trainer's code."""
-    from fastcredit import components as C
-    from fastcredit.actor import PolicyModel
-    from fastcredit.checkpoint import load_checkpoint
+    from fastcredit.trainer import parts as C
+    from fastcredit.trainer.update import PolicyModel
+    from fastcredit.distributed.checkpoint import load_checkpoint
     from fastcredit.config import load_config
     from transformers import AutoTokenizer
 

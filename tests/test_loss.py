@@ -8,9 +8,9 @@ import types
 import pytest
 import torch
 
-import fastcredit.loss
-from fastcredit.loss_config import LossConfig
-from fastcredit.loss import AGG_MODES, LossCounts, loss_counts, policy_loss, policy_loss_torch, value_loss
+import fastcredit.trainer.loss
+from fastcredit.config.loss import LossConfig
+from fastcredit.trainer.loss import AGG_MODES, LossCounts, loss_counts, policy_loss, policy_loss_torch, value_loss
 from fastcredit.rollout.trajectory import Turn, from_turns
 
 
@@ -239,7 +239,7 @@ def test_dispatch(monkeypatch):
     fake = types.ModuleType("fake_kernel")
     fake.turn_surrogate_loss = lambda *a, **kw: calls.append(kw) or (torch.tensor(7.0), {})
     monkeypatch.setitem(sys.modules, "fake_kernel", fake)
-    monkeypatch.setattr(fastcredit.loss, "KERNEL_MODULE", "fake_kernel")
+    monkeypatch.setattr(fastcredit.trainer.loss, "KERNEL_MODULE", "fake_kernel")
     assert float(policy_loss(*args, _cfg(impl="triton"), **adv)[0]) == 7.0 and calls[0] == adv
     assert torch.equal(policy_loss(*args, _cfg(impl="auto"), **adv)[0], ref)
     assert torch.equal(policy_loss(*args, _cfg(impl="triton"), impl="torch", **adv)[0], ref)
@@ -251,7 +251,7 @@ def test_dispatch(monkeypatch):
     monkeypatch.setenv("FASTCREDIT_LOSS_IMPL", "torch")
     assert torch.equal(policy_loss(*args, _cfg(impl="triton"), **adv)[0], ref) and len(calls) == 2
     monkeypatch.delenv("FASTCREDIT_LOSS_IMPL")
-    monkeypatch.setattr(fastcredit.loss, "KERNEL_MODULE", "fastcredit.no_such_kernel")
+    monkeypatch.setattr(fastcredit.trainer.loss, "KERNEL_MODULE", "fastcredit.no_such_kernel")
     with pytest.raises(RuntimeError, match="no_such_kernel"):
         policy_loss(*args, _cfg(impl="triton"), **adv)
     assert torch.equal(policy_loss(*args, _cfg(impl="auto"), **adv)[0], ref)

@@ -1,4 +1,4 @@
-"""The GPU and host memory budget (fastcredit.memory) and ``python -m fastcredit.train --memory-report``.
+"""The GPU and host memory budget (fastcredit.trainer.memory) and ``python -m fastcredit.train --memory-report``.
 
 Figures are recomputed here from the formulas written out, never through the helpers under test.
 """
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from fastcredit import memory
+from fastcredit.trainer import memory
 from fastcredit.config import load_config
 from fastcredit.train import main
 
@@ -225,7 +225,7 @@ def test_the_report_loads_nothing():
             f"rc = main(['--config', {CRITIC!r}, '--memory-report', '--gpu-gib', '80', '--gpus', '8', "
             "'--host-gib', '1024'])\n"
             "import torch.distributed as dist\n"
-            "heavy = [m for m in ('fastcredit.trainer', 'fastcredit.components', 'vllm', 'transformers', 'faiss',"
+            "heavy = [m for m in ('fastcredit.trainer.loop', 'fastcredit.trainer.parts', 'vllm', 'transformers', 'faiss',"
             " 'fastcredit.retrieval.indexes') if m in sys.modules]\n"
             "print('RESULT', rc, heavy, dist.is_initialized(), round(time.time() - t, 1))\n")
     t0 = time.time()
@@ -238,7 +238,7 @@ def test_the_report_loads_nothing():
     assert float(seconds) < 20 and time.time() - t0 < 60
 
 
-# ---- host RAM per node (fastcredit.memory.host); figures written out from its docstring's formulas
+# ---- host RAM per node (fastcredit.trainer.memory.host); figures written out from its docstring's formulas
 
 P05, P3 = 494_032_768, 3_085_938_688  # Qwen2.5-0.5B and Qwen2.5-3B (their -Instruct critics alike)
 SMALL = ["model.policy=models/Qwen2.5-0.5B", "judges.model=models/Qwen2.5-0.5B-Instruct", "retrieval.device=cpu"]
@@ -330,9 +330,9 @@ def test_deepspeed_reads_the_policy_on_every_rank_fsdp2_on_rank0(gpus):
 
 
 def test_the_rank0_rule_is_the_trainers():
-    from fastcredit.components import loads_on_rank0
+    from fastcredit.trainer.parts import loads_on_rank0
     from fastcredit.distributed.process_group import DistInfo
-    from fastcredit.memory.host import reads_on_rank0_only
+    from fastcredit.trainer.memory.host import reads_on_rank0_only
 
     for config, overrides in ((CRITIC, []), (CRITIC, ["distributed.engine=deepspeed"]),
                               (os.path.join(ROOT, "configs", "debug.yaml"), [])):

@@ -1,7 +1,7 @@
 """The actor's padding-free packed forward equals the padded one, and never builds a [T, T] mask.
 
 The reference is computed here with the plain HF model (sdpa) over right-padded ``[B, L]``
-inputs and an attention mask; the packed side is ``fastcredit.actor``'s ``[1, T]`` row
+inputs and an attention mask; the packed side is ``fastcredit.trainer.update``'s ``[1, T]`` row
 through ``fastcredit.models.varlen`` (or flash-attention's varlen path on a GPU).
 """
 import copy
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastcredit.actor import PolicyModel, ValueModel, model_inputs
+from fastcredit.trainer.update import PolicyModel, ValueModel, model_inputs
 from fastcredit.distributed.engine import apply_activation_checkpointing
 from fastcredit.models import varlen
 from fastcredit.models.tiny import build_tiny_policy

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastcredit.rewards import (
+from fastcredit.credit.rewards import (
     criticsearch_reward,
     exact_match,
     extract_answer,

@@ -9,8 +9,8 @@ from fastcredit.data.tokenizer import build_tiny_tokenizer
 from fastcredit.data.toyqa import fact_sentence, oracle_actions
 from fastcredit.data.toyworld import ToyWorldConfig, generate_world
 from fastcredit.models.tiny import build_tiny_policy
-from fastcredit.rewards import score_trajectory
-from fastcredit.sft import _labelled_cross_entropy, sft_sequences, sft_train
+from fastcredit.credit.rewards import score_trajectory
+from fastcredit.trainer.sft import _labelled_cross_entropy, sft_sequences, sft_train
 
 SMALL = ToyWorldConfig(num_people=60, num_cities=15, num_countries=5, num_universities=6, num_companies=20,
                        num_bands=10, num_questions=80)
@@ -91,7 +91,7 @@ def test_warm_start_lowers_the_loss_and_leaves_no_gradients(world, tokenizer):
 
 def test_cached_warm_start_is_made_once_and_keyed_by_its_own_seed(tmp_path):
     from fastcredit.config import load_config
-    from fastcredit.sft import cached_warm_start, warm_start_fingerprint
+    from fastcredit.trainer.sft import cached_warm_start, warm_start_fingerprint
 
     def key(*overrides):
         return warm_start_fingerprint(load_config(None, list(overrides)))
@@ -125,7 +125,7 @@ def test_cached_warm_start_is_made_once_and_keyed_by_its_own_seed(tmp_path):
 
 
 def test_a_warm_started_tiny_policy_is_initialised_by_the_warm_start_seed(tokenizer):
-    from fastcredit.components import load_policy
+    from fastcredit.trainer.parts import load_policy
     from fastcredit.config import load_config
 
     def weights(*overrides):

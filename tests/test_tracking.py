@@ -7,8 +7,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from fastcredit.profiling import PhaseTimer
-from fastcredit.tracking import MetricLogger, metrics_figure, plot_metrics, read_metrics
+from fastcredit.runtime.profiling import PhaseTimer
+from fastcredit.runtime.tracking import MetricLogger, metrics_figure, plot_metrics, read_metrics
 
 PNG = b"\x89PNG\r\n\x1a\n"
 # One step's metrics as the trainer logs them (a subset).

@@ -143,7 +143,7 @@ def test_collapse_guard_rolls_back_then_stops(tmp_path):
 
 
 def test_a_fresh_run_moves_an_earlier_runs_files_aside(tmp_path):
-    from fastcredit.tracking import archive_previous_run
+    from fastcredit.runtime.tracking import archive_previous_run
 
     (tmp_path / "world").mkdir()
     (tmp_path / "world" / "corpus.jsonl").write_text("{}")

@@ -14,7 +14,7 @@ Pure tensor functions, chosen by name (docs/methods.md §1-6)::
     metrics.py     the advantage statistics every estimator reports
     config.py      the ``credit.*`` config section (no torch)
 
-Names are imported lazily (PEP 562) so that ``fastcredit.credit.config``, which the
+Names are imported lazily (PEP 562) so that ``fastcredit.config.credit``, which the
 config loader reads, stays free of torch.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fastcredit.credit.config import CreditConfig
+from fastcredit.config.credit import CreditConfig
 from fastcredit.credit.grpo import group_metrics
 from fastcredit.credit.registry import register_estimator
 from fastcredit.credit.segments import group_advantage, seg_sum

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from fastcredit.credit.config import CreditConfig
+from fastcredit.config.credit import CreditConfig
 from fastcredit.credit.grpo import group_metrics
 from fastcredit.credit.registry import register_estimator
 from fastcredit.credit.segments import group_advantage, seg_max, seg_sum, turn_layout

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastcredit.credit.config import DynamicSamplingConfig
+from fastcredit.config.credit import DynamicSamplingConfig
 from fastcredit.credit.segments import degenerate_groups, group_index
 
 

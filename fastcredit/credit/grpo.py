@@ -4,7 +4,7 @@ Legend: S turns, B trajectories.
 """
 from __future__ import annotations
 
-from fastcredit.credit.config import CreditConfig
+from fastcredit.config.credit import CreditConfig
 from fastcredit.credit.registry import register_estimator
 from fastcredit.credit.types import CreditInputs, CreditResult, as_result_tensor
 from fastcredit.credit.segments import degenerate_groups, group_advantage

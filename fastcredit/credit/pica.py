@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from fastcredit.credit.config import CreditConfig
+from fastcredit.config.credit import CreditConfig
 from fastcredit.credit.ppo import kl_reward_N, outcome_on_final_turn, token_level_gae, turns_per_trajectory
 from fastcredit.credit.registry import register_estimator
 from fastcredit.credit.segments import (

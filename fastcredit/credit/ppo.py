@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from fastcredit.credit.config import CreditConfig
+from fastcredit.config.credit import CreditConfig
 from fastcredit.credit.registry import register_estimator
 from fastcredit.credit.segments import (
     action_positions_last_first,

@@ -13,7 +13,7 @@ estimator returns the group advantage per turn and two per-token masks the loss 
 * ``phi_mask_N``: demonstration tokens of successful trajectories, which the loss
   weights by CHORD-φ ``p·(1 − p)``, ``p = exp(logπθ)`` detached, when
   ``proceed.chord_phi``. φ needs the *current* policy's probabilities, so the loss,
-  not the estimator, evaluates it (``fastcredit.loss.chord_phi``); on-policy tokens
+  not the estimator, evaluates it (``fastcredit.trainer.loss.chord_phi``); on-policy tokens
   keep weight 1.
 * ``weight_N`` stays None (1 on every counted token).
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from fastcredit.credit.config import CreditConfig
+from fastcredit.config.credit import CreditConfig
 from fastcredit.credit.grpo import group_metrics
 from fastcredit.credit.registry import register_estimator
 from fastcredit.credit.segments import degenerate_groups, gather_turns, group_advantage

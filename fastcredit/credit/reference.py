@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from fastcredit.credit.config import CreditConfig
+from fastcredit.config.credit import CreditConfig
 from fastcredit.credit.registry import REFERENCES, register_estimator
 from fastcredit.credit.types import CreditInputs, CreditResult, TurnKind
 

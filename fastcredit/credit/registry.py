@@ -17,7 +17,7 @@ import os
 import pkgutil
 from typing import Callable, Optional
 
-from fastcredit.credit.config import CreditConfig
+from fastcredit.config.credit import CreditConfig
 from fastcredit.credit.metrics import estimator_metrics
 from fastcredit.credit.types import CreditInputs, CreditResult, Needs
 

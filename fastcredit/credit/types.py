@@ -80,7 +80,7 @@ class CreditInputs:
     they may hold anything there, NaN included.
     """
 
-    reward_B: torch.Tensor  # float [B] outcome reward r_i (fastcredit.rewards)
+    reward_B: torch.Tensor  # float [B] outcome reward r_i (fastcredit.credit.rewards)
     group_id_B: torch.Tensor  # int64 [B] prompt group
     em_B: torch.Tensor  # float [B] exact match (0/1); the critic's fallback label
     seg_start_S: torch.Tensor  # int64 [S] packed offset of the turn's first token

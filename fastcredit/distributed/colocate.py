@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from fastcredit.profiling import nvtx_range
+from fastcredit.runtime.profiling import nvtx_range
 
 
 def gpu_memory(device: Optional[torch.device] = None) -> dict:

@@ -130,7 +130,7 @@ class JudgePhase:
             metrics.update(self._this_step("judge", stats))
         if self.prm == "oracle":
             from fastcredit.judges.oracle import oracle_prm
-            from fastcredit.prm.scorer import scores_to_inputs
+            from fastcredit.judges.prm import scores_to_inputs
 
             f0, f = oracle_prm(examples, result.episodes, self.oracle_noise, self.seed)
             metrics["prm/requests"] = float(len(examples))  # one scoring per trajectory, as a trained PRM's
@@ -156,14 +156,14 @@ def split_turns(f0_B: torch.Tensor, f_S: torch.Tensor, result) -> list:
 
 
 def build_prm_scorer(cfg: TrainConfig, device: torch.device):
-    """``judges.prm``: an ``http(s)://`` URL is PiCA's reward server (``fastcredit.prm.client``), anything else
-    a PRM folder (``fastcredit.prm.scorer``)."""
+    """``judges.prm``: an ``http(s)://`` URL is PiCA's reward server (``fastcredit.judges.prm_client``), anything else
+    a PRM folder (``fastcredit.judges.prm``)."""
     j = cfg.judges
     if j.prm.startswith(("http://", "https://")):
-        from fastcredit.prm.client import PiCARewardClient
+        from fastcredit.judges.prm_client import PiCARewardClient
 
         return PiCARewardClient(j.prm, timeout_s=j.timeout_s, concurrency=j.concurrency)
-    from fastcredit.prm.scorer import PRMScorer
+    from fastcredit.judges.prm import PRMScorer
 
     return PRMScorer.load(j.prm, device, micro_batch_tokens=cfg.optim.micro_batch_tokens)
 

@@ -40,7 +40,7 @@ def items_from_rollout(episodes, examples, em_B, predictions) -> list[JudgeItem]
 
 def item_from_episode(e) -> JudgeItem:
     """A :class:`JudgeItem` of an episode in progress (ProCeed's critic); ``meta`` holds ``example`` and ``golds``."""
-    from fastcredit.rewards import exact_match, extract_answer
+    from fastcredit.credit.rewards import exact_match, extract_answer
 
     golds = list(e.meta.get("golds") or [])
     steps = [StepText(s.kind.name.lower(), s.action_text, s.obs_text, s.query, list(s.retrieved_ids)) for s in e.steps]

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Literal, Mapping, Optional
 
 from fastcredit.config import DistributedConfig, LoggingConfig
-from fastcredit.config_checks import COUNT, NONNEG, POS, ConfigError, ConfigPathError, Range, _get, numeric_keys
-from fastcredit.config_checks import RANGES as TRAIN_RANGES
-from fastcredit.fields import opt
+from fastcredit.config.checks import COUNT, NONNEG, POS, ConfigError, ConfigPathError, Range, _get, numeric_keys
+from fastcredit.config.checks import RANGES as TRAIN_RANGES
+from fastcredit.config.fields import opt
 
 
 @dataclass
@@ -139,7 +139,7 @@ class PRMTrainConfig:
                 raise ConfigPathError(f"{key}: {path} does not exist ({what})")
 
 
-# Keys the RL trainer's config shares with this one keep its ranges (fastcredit.config_checks.RANGES).
+# Keys the RL trainer's config shares with this one keep its ranges (fastcredit.config.checks.RANGES).
 _SHARED = ("seed", "model.tiny_hidden", "model.tiny_layers", "model.tiny_heads", "model.tiny_vocab", "optim.lr",
            "optim.weight_decay", "optim.betas", "optim.warmup_ratio", "optim.grad_clip", "optim.micro_batch_tokens",
            "distributed.shard_size", "logging.log_every", "logging.checkpoint_every", "logging.keep_checkpoints")

@@ -138,7 +138,7 @@ class PRMEncoder:
         pid = require_placeholder(tokenizer, placeholder)
         if pid is None:
             raise ValueError(f"the PRM tokenizer has no single token {placeholder!r} (prm.placeholder); "
-                             "fastcredit.prm.model.add_placeholder adds it")
+                             "fastcredit.models.prm.add_placeholder adds it")
         self.placeholder_id = pid
         self.spelled = list(tokenizer(placeholder, add_special_tokens=False, split_special_tokens=True)["input_ids"])
         self.forged = 0  # segments whose text spelled the placeholder (counted, and split into plain tokens)
@@ -193,7 +193,7 @@ def pack(seqs: Sequence[PRMSequence], device="cpu"):
     """``(ModelInputs, cu_placeholders)``: the sequences back to back in one padding-free row, ``pred_N`` the
     flat index of every placeholder (sequence by sequence), ``cu_placeholders[b]:cu_placeholders[b+1]`` the
     slice of ``pred_N`` that is sequence ``b``'s."""
-    from fastcredit.actor import ModelInputs
+    from fastcredit.trainer.update import ModelInputs
     from fastcredit.models.varlen import packed_positions
 
     lens = [len(s.ids) for s in seqs]
@@ -213,7 +213,7 @@ def pack(seqs: Sequence[PRMSequence], device="cpu"):
 
 def token_budget_groups(seqs: Sequence[PRMSequence], max_tokens: int) -> list[list[int]]:
     """Consecutive groups of sequence indices with at most ``max_tokens`` tokens each (one alone may exceed it)."""
-    from fastcredit.actor import micro_batches
+    from fastcredit.trainer.update import micro_batches
 
     return micro_batches(torch.tensor([len(s.ids) for s in seqs]), max_tokens)
 

@@ -112,7 +112,7 @@ def judge_pivots(labeller, items: Sequence, subs: Sequence) -> tuple[list[Option
 def labelled_rows(episodes, examples, samples, pivots, labeller: str) -> list[LabelledTrajectory]:
     """One row per trajectory whose ``pivots`` entry is not None (episode ``b`` answers ``examples[b]``, its
     ``samples[b]``-th sample); the outcome is Search-R1's EM of the extracted answer."""
-    from fastcredit.rewards import score_trajectory
+    from fastcredit.credit.rewards import score_trajectory
 
     rows = []
     for e, ex, k, piv in zip(episodes, examples, samples, pivots):
@@ -169,7 +169,7 @@ class ScriptedPolicy:
         return rng.choice(queries) if queries else f"{hop['subject']} trivia"
 
     def _wrong_answer(self, ex: QAExample, hop: dict, rng: random.Random) -> str:
-        from fastcredit.rewards import exact_match
+        from fastcredit.credit.rewards import exact_match
 
         for _ in range(8):  # the pool holds the gold answer too: draw again when it is drawn
             entity = rng.choice(self.objects[hop["relation"]])
@@ -249,7 +249,7 @@ def _check(cfg: TrainConfig, model: str, labeller: str, split: str, counts: dict
 
 def _open_policy(cfg: TrainConfig, model: str, step, engine: str, data, examples, progress: bool):
     """``(engine, searcher, device)`` for ``model`` (a folder or run as ``fastcredit.eval`` opens it, or scripted)."""
-    from fastcredit import components as C
+    from fastcredit.trainer import parts as C
     from fastcredit import eval as E
 
     p = scripted_p(model)
@@ -338,8 +338,8 @@ def label_dataset(cfg: TrainConfig, model: str, *, samples: int = 5, questions: 
                   progress: bool = True) -> dict:
     """Roll out, label and write a PRM dataset (see the module docstring); returns the summary it prints.
     Nothing is written when no trajectory could be labelled."""
-    from fastcredit import components as C
-    from fastcredit.evaluation import sample_per_source
+    from fastcredit.trainer import parts as C
+    from fastcredit.trainer.heldout import sample_per_source
 
     t0 = time.perf_counter()
     labeller = labeller or ("rule" if cfg.data.source == "toy" else "judge")
@@ -378,14 +378,14 @@ def label_dataset(cfg: TrainConfig, model: str, *, samples: int = 5, questions: 
 
 
 def main(argv: Optional[list] = None) -> int:
-    from fastcredit.checkpoint import CheckpointError
-    from fastcredit.cli import take_flags
+    from fastcredit.distributed.checkpoint import CheckpointError
+    from fastcredit.config.help import take_flags
     from fastcredit.eval import model_config
     from fastcredit.export import ExportError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv or any(a.startswith("--help=") for a in argv):
-        from fastcredit.cli import format_usage, handle_help
+        from fastcredit.config.help import format_usage, handle_help
 
         handle_help(argv, format_usage(SYNOPSIS, __doc__, FLAG_HELP))
     try:

@@ -51,8 +51,8 @@ from typing import Callable, Optional
 import torch
 from aiohttp import web
 
-from fastcredit.batching import MicroBatcher, isolate_failures
-from fastcredit.cli import argparser
+from fastcredit.runtime.batching import MicroBatcher, isolate_failures
+from fastcredit.config.help import argparser
 from fastcredit.retrieval.httpserver import (TIMEOUTS, RequestError, ServerThread, Timeouts, check_positive, json_error,
                                              json_errors, read_body, serve_forever, submit_batch, text_list)
 
@@ -99,7 +99,7 @@ def parse_request(body: bytes, limits: RewardServerLimits, special: str) -> list
 
 def survival_hazards(f_K: torch.Tensor) -> torch.Tensor:
     """``h_k = clamp(1 − f_k/f_{k−1}, 0, 1)`` with ``f_0 := 1`` for one text's ``f`` at its ``K`` special tokens."""
-    from fastcredit.prm.model import hazards
+    from fastcredit.models.prm import hazards
 
     K = f_K.numel()
     return hazards(torch.ones(1), f_K.float(), torch.zeros(K, dtype=torch.long), torch.arange(1, K + 1))
@@ -107,7 +107,7 @@ def survival_hazards(f_K: torch.Tensor) -> torch.Tensor:
 
 def prm_batch_fn(scorer, special: str, output: str = "hazard") -> Callable[[list], list]:
     """Items ``(text,)`` → per text its scores (a list of floats, one per ``special``), with ``scorer`` a
-    :class:`fastcredit.prm.scorer.PRMScorer`: the pieces between special tokens are its segments."""
+    :class:`fastcredit.judges.prm.PRMScorer`: the pieces between special tokens are its segments."""
     if output not in OUTPUTS:
         raise ValueError(f"output={output!r}: choose one of {OUTPUTS}")
     if not special:
@@ -180,8 +180,8 @@ def load_reward_app(folder: str, device="cpu", special: Optional[str] = None, ou
                     max_len: Optional[int] = None, batch_tokens: int = 16384,
                     limits: Optional[RewardServerLimits] = None) -> tuple[web.Application, dict]:
     """``(app, info)`` serving the PRM folder ``folder`` (the defaults as on the command line)."""
-    from fastcredit.prm.model import load_prm
-    from fastcredit.prm.scorer import PRMScorer
+    from fastcredit.models.prm import load_prm
+    from fastcredit.judges.prm import PRMScorer
 
     device = torch.device(device)
     model, tok, meta = load_prm(folder, device, torch.bfloat16 if device.type == "cuda" else torch.float32)

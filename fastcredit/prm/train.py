@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from fastcredit.checkpoint import resume_checkpoint, save_checkpoint
-from fastcredit.cli import describe, format_usage, help_request
+from fastcredit.distributed.checkpoint import resume_checkpoint, save_checkpoint
+from fastcredit.config.help import describe, format_usage, help_request
 from fastcredit.config import ConfigError, all_keys, load_config, parse_cli, save_config, to_dict
-from fastcredit.components import _built_from, _mark_built, _wait_for
+from fastcredit.trainer.parts import _built_from, _mark_built, _wait_for
 from fastcredit.data.loaders import DataError
 from fastcredit.data.tokenizer import build_tiny_tokenizer
 from fastcredit.distributed.build import build_train_engine, compute_dtype
@@ -50,9 +50,9 @@ from fastcredit.models.tiny import build_tiny_policy
 from fastcredit.prm.config import PRMTrainConfig
 from fastcredit.prm.data import LabelledTrajectory, PRMEncoder, pack, read_labelled, require_placeholder, \
     token_budget_groups
-from fastcredit.prm.model import PRMModel, add_placeholder, prm_loss, save_prm
-from fastcredit.tracking import MetricLogger, archive_previous_run, write_line
-from fastcredit.trainer import lr_factor, seed_everything
+from fastcredit.models.prm import PRMModel, add_placeholder, prm_loss, save_prm
+from fastcredit.runtime.tracking import MetricLogger, archive_previous_run, write_line
+from fastcredit.trainer.loop import lr_factor, seed_everything
 
 NAME = "prm"  # the trained model's name in a checkpoint (DCP keys prm.model.*, or engine/prm)
 EXPORT = "export"
@@ -358,13 +358,13 @@ class PRMTrainer:
 
 def plot_curves(path: str, png: str, title: str = "") -> str:
     """``png``: the curves of a PRM run's ``metrics.jsonl``, a panel per :data:`PANELS` entry with data (drawn
-    by ``fastcredit.tracking``'s panel code)."""
+    by ``fastcredit.runtime.tracking``'s panel code)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastcredit.tracking import _expand, _panel, read_metrics
+    from fastcredit.runtime.tracking import _expand, _panel, read_metrics
 
     rows = read_metrics(path)
     logged = {k for r in rows for k in r if k != "step"}
@@ -421,7 +421,7 @@ def read_prm_weights(ckpt: str, model) -> str:
 
 
 def export_prm(cfg: PRMTrainConfig, tokenizer) -> str:
-    """Write ``<output_dir>/export`` (``fastcredit.prm.model.save_prm``) from the run's last checkpoint (verified
+    """Write ``<output_dir>/export`` (``fastcredit.models.prm.save_prm``) from the run's last checkpoint (verified
     against its manifest), in one process; returns the folder."""
     _name_deepspeed_accelerator()  # transformers' save_pretrained imports DeepSpeed (through accelerate)
     ckpt, model = find_checkpoint(cfg.logging.output_dir), PRMModel(build_backbone(cfg, tokenizer))

@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from fastcredit.cli import argparser
+from fastcredit.config.help import argparser
 from fastcredit.retrieval.cli import add_encoder_args
 from fastcredit.retrieval.corpus import CorpusStore, open_corpus_store
 from fastcredit.retrieval.encoders import Encoder

@@ -1,6 +1,6 @@
 """What a retrieval index's files say without loading them (no FAISS, no torch): the FAISS
 header's dimension and row count, and the ``build.json`` a fastcredit build writes beside
-its index. The retriever opens indexes with them; ``fastcredit.memory`` sizes one before
+its index. The retriever opens indexes with them; ``fastcredit.trainer.memory`` sizes one before
 anything loads.
 """
 from __future__ import annotations

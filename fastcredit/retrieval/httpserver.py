@@ -27,7 +27,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
-from fastcredit.batching import ItemFailed, QueueFull
+from fastcredit.runtime.batching import ItemFailed, QueueFull
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def json_error(status: int, message: str, headers: Optional[dict] = None, close:
 
 
 async def submit_batch(batcher, items: list, timeout_s: float, what: str):
-    """``(results, None)`` from a :class:`~fastcredit.batching.MicroBatcher`, or ``(None, error response)``:
+    """``(results, None)`` from a :class:`~fastcredit.runtime.batching.MicroBatcher`, or ``(None, error response)``:
     503 when its queue is full, 504 past ``timeout_s``, 500 when the batcher or one of ``items`` failed
     (``what`` names the work in the message: "retrieval", "scoring"). Never raises: a server answers."""
     try:

@@ -287,7 +287,7 @@ async def run_load_test(url: str, pool: Sequence[str], clients: int = 64, durati
 
 
 def main(argv: Optional[list] = None) -> int:
-    from fastcredit.cli import argparser
+    from fastcredit.config.help import argparser
 
     p = argparser("python -m fastcredit.retrieval.loadtest", __doc__)
     p.add_argument("--url", default="http://127.0.0.1:8000/retrieve")

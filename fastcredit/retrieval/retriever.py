@@ -202,10 +202,10 @@ def from_config(rcfg, tokenizer=None, corpus: Optional[str] = None, progress: bo
     so the index's first shard and the encoder live there; see ``components.make_searcher``).
     ``rank`` / ``world_size`` / ``group``: the torchrun ranks; with ``rcfg.across_ranks=shard``
     and more than one, every rank calls this together and holds only its rows of the index.
-    ``rcfg.build_index`` decides what is built (``fastcredit.config_checks.check_index``): by default
+    ``rcfg.build_index`` decides what is built (``fastcredit.config.checks.check_index``): by default
     only the index beside the corpus when ``rcfg.index`` is unset; a set one must exist.
     """
-    from fastcredit.config_checks import check_index
+    from fastcredit.config.checks import check_index
 
     check_index(rcfg)  # before the encoder loads
     if rcfg.index is None and rank == 0 and (rcfg.corpus or corpus):

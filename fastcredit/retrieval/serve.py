@@ -35,8 +35,8 @@ from typing import Callable, Optional
 
 from aiohttp import web
 
-from fastcredit.batching import ItemFailed, MicroBatcher, isolate_failures
-from fastcredit.cli import argparser
+from fastcredit.runtime.batching import ItemFailed, MicroBatcher, isolate_failures
+from fastcredit.config.help import argparser
 from fastcredit.retrieval.cli import add_encoder_args
 from fastcredit.retrieval.httpserver import (TIMEOUTS, RequestError, ServerThread, Timeouts, check_positive, json_error,
                                              json_errors, read_body, serve_forever, submit_batch, text_list,

@@ -222,7 +222,7 @@ class AsyncSearch:
     """Micro-batched retrieval for concurrent trajectories (``retrieval.batch_size`` / ``batch_timeout_ms``)."""
 
     def __init__(self, searcher: Searcher, max_batch: int = 256, timeout_ms: float = 2.0):
-        from fastcredit.batching import MicroBatcher
+        from fastcredit.runtime.batching import MicroBatcher
 
         self.batcher = MicroBatcher(searcher, max_batch=max_batch, timeout_ms=timeout_ms, max_queue=1 << 20)
         self.calls = 0

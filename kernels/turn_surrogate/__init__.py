@@ -1,7 +1,7 @@
 """Fused turn-level clipped surrogate loss (``turn_surrogate_loss``) and its float64 ground truth.
 
-``turn_surrogate_loss`` has the signature and outputs of ``fastcredit.loss.policy_loss_torch``
-and always runs the Triton kernels; ``fastcredit.loss.policy_loss`` chooses between the two
+``turn_surrogate_loss`` has the signature and outputs of ``fastcredit.trainer.loss.policy_loss_torch``
+and always runs the Triton kernels; ``fastcredit.trainer.loss.policy_loss`` chooses between the two
 (``fastcredit.kernels._dispatch``).
 """
 from .naive import AGG_MODES, turn_surrogate_naive

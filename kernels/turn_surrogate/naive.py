@@ -2,7 +2,7 @@
 
 Legend (shape suffixes): N packed tokens, S turns, B trajectories.
 
-Same inputs, outputs and semantics as ``fastcredit.loss.policy_loss_torch`` (see that
+Same inputs, outputs and semantics as ``fastcredit.trainer.loss.policy_loss_torch`` (see that
 module's docstring and ``README.md`` beside this file), but written independently, with
 explicit loops over turns and sequences, so that the two can check each other. It
 computes in the dtype of its inputs: the tests run it in float64 as the reference and

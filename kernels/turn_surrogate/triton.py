@@ -316,7 +316,7 @@ def _as_flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _check_inputs(cfg, adv_S, adv_N, ref_logp_N, entropy_N, tensors: dict) -> None:
-    """The errors of fastcredit.loss, plus one for constants that would silently lose a gradient."""
+    """The errors of fastcredit.trainer.loss, plus one for constants that would silently lose a gradient."""
     if cfg.agg_mode not in AGG_MODES:
         raise ValueError(f"unknown loss.agg_mode {cfg.agg_mode!r}; valid: {', '.join(AGG_MODES)}")
     if (adv_S is None) == (adv_N is None):
@@ -339,7 +339,7 @@ def turn_surrogate_loss(logp_N: torch.Tensor, old_logp_N: torch.Tensor, seg_id_N
                         entropy_N: Optional[torch.Tensor] = None, weight_N: Optional[torch.Tensor] = None,
                         phi_mask_N: Optional[torch.Tensor] = None, loss_mask_N: Optional[torch.Tensor] = None,
                         dp_size: int = 1, block: Optional[int] = None) -> tuple[torch.Tensor, dict]:
-    """The fused policy loss: same inputs and outputs as ``fastcredit.loss.policy_loss_torch``.
+    """The fused policy loss: same inputs and outputs as ``fastcredit.trainer.loss.policy_loss_torch``.
 
     ``logp_N`` [N] and ``entropy_N`` [N] get gradients; ``counts`` (tokens, seqs, turns)
     are the global denominators of the step; ``block`` overrides the tokens per program.
@@ -367,7 +367,7 @@ def turn_surrogate_loss(logp_N: torch.Tensor, old_logp_N: torch.Tensor, seg_id_N
 
 
 def _metrics(metrics_M: torch.Tensor, cfg, has_ref: bool, has_ent: bool) -> dict:
-    """The metric dict of fastcredit.loss (0-dim views of one buffer: no extra kernels)."""
+    """The metric dict of fastcredit.trainer.loss (0-dim views of one buffer: no extra kernels)."""
     names = (["kl_ref"] if has_ref else []) + (["entropy"] if has_ent else []) + [
         "approx_kl", "clipfrac_low", "clipfrac_high"] + (["clipfrac_dual"] if cfg.dual_clip is not None else [])
     slot = {"kl_ref": KL_REF, "entropy": ENTROPY, "approx_kl": APPROX_KL, "clipfrac_low": CLIP_LOW,

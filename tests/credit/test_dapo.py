@@ -1,7 +1,7 @@
 """DAPO's dynamic-sampling filter: which groups to drop and how many prompts to refill."""
 import torch
 
-from fastcredit.credit.config import DynamicSamplingConfig
+from fastcredit.config.credit import DynamicSamplingConfig
 from fastcredit.credit.dapo import dynamic_sampling_step, keep_mask, take_groups
 
 ON = DynamicSamplingConfig(enabled=True, max_refill_rounds=3)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastcredit.credit import CreditInputs, compute_advantages, get_estimator
-from fastcredit.credit.config import CreditConfig
+from fastcredit.config.credit import CreditConfig
 from fastcredit.rollout.trajectory import Turn, from_turns
 
 S, A, I, T = "search", "answer", "invalid", "truncated"

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from fastcredit.credit import CreditInputs, CreditResult, compute_advantages, estimator_names, get_estimator
-from fastcredit.credit import config as credit_config
-from fastcredit.credit.config import CreditConfig
-from fastcredit.loss_config import LossConfig
+from fastcredit.config import credit as credit_config
+from fastcredit.config.credit import CreditConfig
+from fastcredit.config.loss import LossConfig
 from fastcredit.credit.metrics import estimator_metrics
 from fastcredit.rollout.trajectory import Turn, from_turns
 

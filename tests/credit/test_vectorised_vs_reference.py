@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastcredit.credit import CreditInputs, compute_advantages, get_estimator
-from fastcredit.credit.config import CreditConfig
+from fastcredit.config.credit import CreditConfig
 from fastcredit.rollout.trajectory import Turn, from_turns
 
 

@@ -18,7 +18,7 @@ from fastcredit.data.loaders import DataError, QAExample, iter_corpus, load_qa, 
 from fastcredit.data.prompts import build_prompt
 from fastcredit.data.toyqa import QUESTIONS, RELATIONS, fact_recall, gold_fact_passages, hops_found, parse_facts
 from fastcredit.data.toyworld import ToyWorldConfig, generate_world, load_world, write_world
-from fastcredit.rewards import exact_match, normalize_answer
+from fastcredit.credit.rewards import exact_match, normalize_answer
 
 SMALL = dict(num_people=60, num_cities=15, num_countries=5, num_universities=6, num_companies=20, num_bands=10,
              num_questions=80)

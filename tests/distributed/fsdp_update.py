@@ -19,13 +19,13 @@ import sys
 
 import torch
 
-from fastcredit.actor import PolicyModel, UpdateData, forward_logprobs, ppo_update
+from fastcredit.trainer.update import PolicyModel, UpdateData, forward_logprobs, ppo_update
 from fastcredit.config import OptimConfig
 from fastcredit.credit import CreditInputs, compute_advantages
-from fastcredit.credit.config import CreditConfig
+from fastcredit.config.credit import CreditConfig
 from fastcredit.distributed.fsdp import FSDP2Engine, wrap_fsdp2
 from fastcredit.distributed.process_group import all_reduce_sum, init_distributed, shutdown
-from fastcredit.loss_config import LossConfig
+from fastcredit.config.loss import LossConfig
 from fastcredit.rollout.trajectory import Turn, from_turns, select
 
 

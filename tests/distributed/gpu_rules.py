@@ -57,7 +57,7 @@ def whole_batch():
 
 def check_whitening(info) -> dict:
     from fastcredit.credit import CreditInputs, compute_advantages
-    from fastcredit.credit.config import CreditConfig
+    from fastcredit.config.credit import CreditConfig
     from fastcredit.distributed.process_group import all_reduce_sum
     from fastcredit.rollout.trajectory import select
 
@@ -99,8 +99,8 @@ def max_over_ranks_dict(d: dict, info) -> dict:
 
 
 def check_rank0_loading(info, folder: str) -> dict:
-    from fastcredit import components as C
-    from fastcredit.actor import PolicyModel, ValueModel
+    from fastcredit.trainer import parts as C
+    from fastcredit.trainer.update import PolicyModel, ValueModel
     from fastcredit.config import TrainConfig
     from fastcredit.distributed.build import build_train_engine
     from fastcredit.distributed.engine import adamw

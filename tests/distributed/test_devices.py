@@ -67,7 +67,7 @@ def test_vllm_step_driver_binds_the_engine_device(bound):
 
 
 def test_micro_batcher_thread_takes_its_creators_device(bound, monkeypatch):
-    from fastcredit.batching import MicroBatcher
+    from fastcredit.runtime.batching import MicroBatcher
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)

@@ -1,14 +1,14 @@
 """Fused turn-surrogate loss vs its float64 reference (kernels/turn_surrogate/naive.py), and the
-reference vs fastcredit.loss. Runs under TRITON_INTERPRET=1 on the CPU, compiled on a GPU."""
+reference vs fastcredit.trainer.loss. Runs under TRITON_INTERPRET=1 on the CPU, compiled on a GPU."""
 import dataclasses
 
 import pytest
 import torch
 
-from fastcredit.loss_config import LossConfig
+from fastcredit.config.loss import LossConfig
 from fastcredit.kernels.turn_surrogate import turn_counts, turn_surrogate_loss, turn_surrogate_naive
 from fastcredit.kernels.turn_surrogate.triton import gpu_block
-from fastcredit.loss import AGG_MODES, LossCounts, loss_counts, policy_loss_torch
+from fastcredit.trainer.loss import AGG_MODES, LossCounts, loss_counts, policy_loss_torch
 from fastcredit.rollout.trajectory import Turn, from_turns
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

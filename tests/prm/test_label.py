@@ -11,7 +11,7 @@ import unicodedata
 
 import pytest
 
-from fastcredit import components as C
+from fastcredit.trainer import parts as C
 from fastcredit.config import load_config
 from fastcredit.data.loaders import DataError, QAExample
 from fastcredit.judges.grammar import verdict_grammar

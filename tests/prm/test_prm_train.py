@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from fastcredit.config import load_config
-from fastcredit.config_checks import numeric_keys
+from fastcredit.config.checks import numeric_keys
 from fastcredit.prm.config import RANGES, PRMTrainConfig
 from fastcredit.prm.data import LabelledTrajectory, read_labelled, write_labelled
-from fastcredit.prm.model import prm_loss
+from fastcredit.models.prm import prm_loss
 from fastcredit.prm.train import auc, eval_metrics, main, split_by_question
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -212,7 +212,7 @@ def toy_labelled_trajectories(folder: str) -> tuple[str, str]:
 
 # Kills the run (SIGKILL, as a crash would) inside its KILL_AT_SAVE-th checkpoint, before `latest` moves.
 KILLER = """import os, signal, sys
-import fastcredit.checkpoint as checkpoint
+import fastcredit.distributed.checkpoint as checkpoint
 from fastcredit.prm.train import main
 calls, write_latest = [0], checkpoint._write_latest
 def die_at_nth(root, name):
@@ -281,8 +281,8 @@ def test_a_tiny_prm_learns_outcomes_and_pivots(toy, trained):
 
 
 def test_the_export_scores_as_the_trained_model(toy, trained):
-    from fastcredit.prm.model import load_prm
-    from fastcredit.prm.scorer import PRMScorer
+    from fastcredit.models.prm import load_prm
+    from fastcredit.judges.prm import PRMScorer
 
     out = trained[0]
     scorer = PRMScorer.load(os.path.join(out, "export"), "cpu", micro_batch_tokens=700)

@@ -1,4 +1,4 @@
-"""PiCA's reward server (``fastcredit.prm.serve``) and the trainer's client of it (``fastcredit.prm.client``)."""
+"""PiCA's reward server (``fastcredit.prm.serve``) and the trainer's client of it (``fastcredit.judges.prm_client``)."""
 import json
 import logging
 import os
@@ -14,10 +14,10 @@ import torch
 
 from fastcredit.credit.types import TurnKind
 from fastcredit.prm import serve
-from fastcredit.prm.client import PiCARewardClient, RewardServerError, pica_text
+from fastcredit.judges.prm_client import PiCARewardClient, RewardServerError, pica_text
 from fastcredit.prm.data import PRMSequence, pack
-from fastcredit.prm.model import hazards
-from fastcredit.prm.scorer import PRMScorer
+from fastcredit.models.prm import hazards
+from fastcredit.judges.prm import PRMScorer
 from fastcredit.rollout.agent import INVALID_OBSERVATION, StepInfo
 
 TOKEN = "<|vision_start|>"  # the PRM's placeholder and PiCA's special token
@@ -30,7 +30,7 @@ LIMITS = serve.RewardServerLimits(max_queries=8, max_query_chars=4000, max_place
 def prm_folder(tmp_path_factory):
     from fastcredit.data.tokenizer import build_tiny_tokenizer
     from fastcredit.models.tiny import build_tiny_policy
-    from fastcredit.prm.model import PRMModel, add_placeholder, save_prm
+    from fastcredit.models.prm import PRMModel, add_placeholder, save_prm
 
     tok = build_tiny_tokenizer([" ".join(WORDS)] * 20, vocab_size=320)
     lm = build_tiny_policy(tok, hidden=32, layers=1, heads=2, seed=1)

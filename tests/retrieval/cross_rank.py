@@ -123,7 +123,7 @@ def scenario_ivfpq(rank, x, q):
 
 def scenario_retriever(rank, x, q):
     """make_searcher with DistInfo on 2 ranks: the same rows and observations as one process's retriever."""
-    from fastcredit.components import make_searcher
+    from fastcredit.trainer.parts import make_searcher
     from fastcredit.config import TrainConfig
     from fastcredit.distributed.process_group import DistInfo
     from fastcredit.retrieval.retriever import open_retriever

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from fastcredit.batching import MicroBatcher, QueueFull
+from fastcredit.runtime.batching import MicroBatcher, QueueFull
 from fastcredit.retrieval.client import RetrievalClient, RetrievalRequestError, RetrievalUnavailable
 from fastcredit.retrieval.loadtest import malformed_requests, run_load_test
 from fastcredit.retrieval.serve import RequestError, ServerLimits, ServerThread, make_app, parse_request, retriever_batch_fn

@@ -90,7 +90,7 @@ class Engine(abc.ABC):
 
     async def agenerate(self, prompt: Sequence[int], params: SamplingParams) -> GenOutput:
         """One request; concurrent requests are batched by size and a short time window."""
-        from fastcredit.batching import MicroBatcher
+        from fastcredit.runtime.batching import MicroBatcher
 
         loop = asyncio.get_running_loop()
         batcher = getattr(self, "_batcher", None)

@@ -1,7 +1,7 @@
 """Building the trainer's parts from the config: data, tokenizer, policy weights, retriever.
 
 Every function reads one section of :class:`fastcredit.config.TrainConfig` and returns a
-ready object; :class:`fastcredit.trainer.Trainer` wires them together (the rollout engine
+ready object; :class:`fastcredit.trainer.loop.Trainer` wires them together (the rollout engine
 comes from ``fastcredit.rollout.engines``, the judges from ``fastcredit.judges.phase``, the
 training engines from ``fastcredit.distributed.build``). Nothing here downloads: models and
 data are local paths, the toy world is generated, ``tiny`` models are built in code.
@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from fastcredit.config import ConfigError, TrainConfig
-from fastcredit.config_checks import check_paths
+from fastcredit.config.checks import check_paths
 from fastcredit.data.loaders import DataError, load_qa
 
 
@@ -225,9 +225,9 @@ def vllm_memory_share(cfg: TrainConfig, device: torch.device, folder: str, train
     A fixed ``rollout.gpu_memory_utilization`` is checked against what is free; 0 (auto) is
     what is free once the training state (``train_state``: TrainEngines, offloaded here when
     colocated, as during every rollout) is off the GPU, minus ``rollout.memory_margin_gib``
-    (``fastcredit.memory.engine_memory_utilization``). The figures go to ``say``.
+    (``fastcredit.trainer.memory.engine_memory_utilization``). The figures go to ``say``.
     """
-    from fastcredit import memory
+    from fastcredit.trainer import memory
 
     r = cfg.rollout
     if device.type != "cuda":

@@ -4,9 +4,9 @@
 """
 from __future__ import annotations
 
-from fastcredit.memory.gpu import LABELS, PHASES, MemoryPlan
-from fastcredit.memory.host import HOST_LABELS, NODE_ROWS, OS_MARGIN_FRACTION, OS_MARGIN_MIN_BYTES, HostPlan
-from fastcredit.memory.units import GIB, gib_text, tokens_text
+from fastcredit.trainer.memory.gpu import LABELS, PHASES, MemoryPlan
+from fastcredit.trainer.memory.host import HOST_LABELS, NODE_ROWS, OS_MARGIN_FRACTION, OS_MARGIN_MIN_BYTES, HostPlan
+from fastcredit.trainer.memory.units import GIB, gib_text, tokens_text
 
 CELL = 10  # characters a phase's column takes
 

@@ -47,7 +47,7 @@ import torch
 
 from fastcredit.credit.segments import gather_turns
 from fastcredit.kernels._dispatch import pick_kernel, resolve
-from fastcredit.loss_config import LossConfig
+from fastcredit.config.loss import LossConfig
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "turn-mean")
 # The fused ops: (module, function), each with the signature of its torch reference here.

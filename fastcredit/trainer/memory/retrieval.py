@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from fastcredit.memory.shapes import safetensors_params
+from fastcredit.trainer.memory.shapes import safetensors_params
 
 TOKEN_STORE_GPU_CAP = 4 << 30    # open_retriever's max_gpu_token_bytes
 TOKENS_PER_PASSAGE = 140         # a 100-word wiki-18 passage, for a token store not yet built

@@ -23,15 +23,15 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fastcredit import components as C
+from fastcredit.trainer import parts as C
 from fastcredit.config import TrainConfig, save_config, to_dict
 from fastcredit.credit.registry import estimator_needs
 from fastcredit.data.prompts import example_prompt_ids
 from fastcredit.data.sampler import PromptSampler
 from fastcredit.distributed.process_group import DistInfo, all_reduce_sum, max_over_ranks, mean_over_ranks
-from fastcredit.profiling import PhaseTimer, nvtx_range, profiler_start, profiler_stop
+from fastcredit.runtime.profiling import PhaseTimer, nvtx_range, profiler_start, profiler_stop
 from fastcredit.rollout.proceed import proceed_flags
-from fastcredit.tracking import MetricLogger, archive_previous_run, write_line
+from fastcredit.runtime.tracking import MetricLogger, archive_previous_run, write_line
 
 
 class CollapseError(RuntimeError):
@@ -87,7 +87,7 @@ class Trainer:
     def _build_models(self) -> None:
         """Policy (and value model) as fp32 master weights sharded by the training engine; the reference policy
         as a frozen copy in the compute dtype, sharded the same way and on the device only while it is used."""
-        from fastcredit.actor import PolicyModel, ValueModel
+        from fastcredit.trainer.update import PolicyModel, ValueModel
         from fastcredit.distributed.build import build_train_engine, compute_dtype
         from fastcredit.distributed.engine import adamw
         from fastcredit.distributed.fsdp import FrozenModel
@@ -123,7 +123,7 @@ class Trainer:
     def _warm_start(self, lm) -> None:
         """SFT on oracle trajectories; observations come from the run's own searcher, as in rollouts. With
         ``warmstart.cache_dir`` a warm start of the same config is loaded instead of redone (``sft.cached_warm_start``)."""
-        from fastcredit.sft import cached_warm_start, sft_sequences, sft_train, warm_start_fingerprint
+        from fastcredit.trainer.sft import cached_warm_start, sft_sequences, sft_train, warm_start_fingerprint
 
         w = self.cfg.warmstart
         seed = w.seed_for(self.cfg.seed)
@@ -207,7 +207,7 @@ class Trainer:
 
     def outcome_rewards(self, result, examples) -> tuple[torch.Tensor, dict]:
         """Outcome rewards (``credit.reward``) of the batch, EM / F1 / format written into it; ``(reward_B, metrics)``."""
-        from fastcredit.rewards import score_trajectory
+        from fastcredit.credit.rewards import score_trajectory
         from fastcredit.rollout.trajectory import replace
 
         c = self.cfg.credit
@@ -276,7 +276,7 @@ class Trainer:
             return self._train_step()
 
     def _train_step(self) -> dict:
-        from fastcredit.actor import UpdateData, forward_logprobs, forward_values, ppo_update
+        from fastcredit.trainer.update import UpdateData, forward_logprobs, forward_values, ppo_update
         from fastcredit.credit import CreditInputs, compute_advantages
 
         cfg, info = self.cfg, self.info
@@ -347,7 +347,7 @@ class Trainer:
         """Held-out scores of greedy rollouts over ``eval.questions`` test questions spread evenly over the data
         sources (``fastcredit.eval``; split over ranks): ``{"eval/em", "eval/f1", "eval/em/<source>", …}``,
         empty when evaluation is off. ``eval/em`` is the mean over sources, as the papers average."""
-        from fastcredit.evaluation import eval_metrics, sample_per_source, score_records, summarize
+        from fastcredit.trainer.heldout import eval_metrics, sample_per_source, score_records, summarize
 
         n = min(self.cfg.eval.questions, len(self.data.test))
         if n == 0:
@@ -379,7 +379,7 @@ class Trainer:
         return models, optims, engines
 
     def save(self) -> None:
-        from fastcredit.checkpoint import save_checkpoint
+        from fastcredit.distributed.checkpoint import save_checkpoint
 
         models, optims, engines = self._checkpointed()
         with self.timer.phase("checkpoint"):
@@ -389,7 +389,7 @@ class Trainer:
 
     def _resume(self) -> Optional[str]:
         """Load the newest checkpoint that verifies (earlier ones when the latest is damaged); returns its path."""
-        from fastcredit.checkpoint import resume_checkpoint
+        from fastcredit.distributed.checkpoint import resume_checkpoint
 
         models, optims, engines = self._checkpointed()
         with self.phases.train():  # loaded where the training state lives while it trains
@@ -470,7 +470,7 @@ class Trainer:
         return f"{scores['eval/em']:.3f}" + (f" ({', '.join(f'{s} {v:.3f}' for s, v in per)})" if per else "")
 
     def _handle_collapse(self, reason: str) -> None:
-        from fastcredit.checkpoint import checkpoint_candidates
+        from fastcredit.distributed.checkpoint import checkpoint_candidates
 
         g = self.cfg.guard
         path = next(iter(checkpoint_candidates(self.ckpt_dir)[0]), None)  # the first tried; _resume says if not used

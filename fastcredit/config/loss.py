@@ -1,4 +1,4 @@
-"""Config section of the policy and value losses (``loss.*``), read by ``fastcredit.loss``.
+"""Config section of the policy and value losses (``loss.*``), read by ``fastcredit.trainer.loss``.
 
 Equations: docs/methods.md §7. No torch import here: the config loader stays light.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from fastcredit.fields import opt
+from fastcredit.config.fields import opt
 
 
 @dataclass

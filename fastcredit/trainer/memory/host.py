@@ -3,7 +3,7 @@
     plan = memory.plan(cfg, gpu_gib=80, gpus=16, host_gib=1024, gpus_per_node=8)
     plan.host.total("train")             # bytes on the fullest node (node 0, with rank 0)
 
-Units as in ``fastcredit.memory.gpu`` (P policy parameters, S the shard group, TP, W GPUs), and
+Units as in ``fastcredit.trainer.memory.gpu`` (P policy parameters, S the shard group, TP, W GPUs), and
 P_c: the critic's parameters; R: ranks per node (--gpus-per-node, default min(W, 8), one rank
 a GPU). A row is bytes on every rank (x R on the node), on each rank that reads the policy at
 start-up, or once per node. A node's total must fit its RAM (--host-gib) less a margin for the
@@ -11,7 +11,7 @@ OS and everything else on it: 5%, at least 4 GiB. Pinned and pageable copies cou
 
 * every phase, every rank: the process itself (Python, torch, the CUDA runtime, vLLM; about
   2 GiB, an estimate); an index in CPU memory (index_type=hnsw / ivfpq, or retrieval.device=cpu),
-  the rank's share as ``fastcredit.memory.retrieval`` sizes it (shard: ceil(N / W) rows;
+  the rank's share as ``fastcredit.trainer.memory.retrieval`` sizes it (shard: ceil(N / W) rows;
   replicate: whole), HNSW with its graph, N x ((2M + 1) x 4 + 12) bytes; the query encoder in
   fp32 with retrieval.device=cpu, 4 bytes a parameter; under distributed.cpu_offload the trained
   models' state, 16 bytes a parameter over S, pinned (FSDP2's CPUOffloadPolicy, ZeRO-Offload).
@@ -46,12 +46,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from fastcredit.memory.parts import (JudgeSetup, reference_bytes, shard_group, trained_params, training_state_bytes,
+from fastcredit.trainer.memory.parts import (JudgeSetup, reference_bytes, shard_group, trained_params, training_state_bytes,
                                      uses_reference, zero2_bytes)
-from fastcredit.memory.retrieval import (IndexSize, encoder_size, index_bytes_per_rank, token_store_bytes,
+from fastcredit.trainer.memory.retrieval import (IndexSize, encoder_size, index_bytes_per_rank, token_store_bytes,
                                          token_store_fits_gpu)
-from fastcredit.memory.shapes import ModelShape
-from fastcredit.memory.units import GIB, gib_text
+from fastcredit.trainer.memory.shapes import ModelShape
+from fastcredit.trainer.memory.units import GIB, gib_text
 
 PROCESS_BYTES = 2 * GIB           # one rank's process: Python, torch, the CUDA runtime, vLLM (estimate)
 OS_MARGIN_FRACTION = 0.05         # of the node's RAM kept for the OS and everything else on the node
@@ -133,7 +133,7 @@ def machine_memory_gib(path: str = MEMINFO) -> Optional[float]:
 
 
 def reads_on_rank0_only(cfg, gpus: int) -> bool:
-    """``fastcredit.components.loads_on_rank0``: under torchrun with FSDP2 a policy read from files is read on
+    """``fastcredit.trainer.parts.loads_on_rank0``: under torchrun with FSDP2 a policy read from files is read on
     rank 0 alone; DeepSpeed, one process and the tiny policy (built in code) read it on every rank."""
     return gpus > 1 and cfg.distributed.engine == "fsdp2" and cfg.model.policy != "tiny"
 

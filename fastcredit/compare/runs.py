@@ -13,7 +13,7 @@ at a time once the first has made the world, index and warm start, the cores sha
 them), each a ``python -m fastcredit.train`` process with its own folder under ``--runs``; a finished run is
 not redone and an interrupted one resumes from its last checkpoint, so the command can simply
 be started again (a run found there that was made with other settings is an error, exit 2).
-The report (``fastcredit.compare_report``) goes to ``<out>/compare_<name>_<device>.{md,json,png}``:
+The report (``fastcredit.compare.report``) goes to ``<out>/compare_<name>_<device>.{md,json,png}``:
 held-out EM per method (mean ± 95% interval over seeds), the difference to GRPO paired by seed,
 steps to reach a threshold EM, how often the credit goes against the outcome, seconds per step
 and judge calls per step.
@@ -33,9 +33,9 @@ import sys
 import time
 from typing import Optional
 
-from fastcredit.compare_report import read_metrics, summarize_run
+from fastcredit.compare.report import read_metrics, summarize_run
 from fastcredit.config import ConfigError, load_config, to_dict
-from fastcredit.profiling import device_name
+from fastcredit.runtime.profiling import device_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What each method adds to the shared config: its estimator and the judge it reads (the oracle on the toy world).
@@ -312,7 +312,7 @@ def main(argv: Optional[list] = None) -> int:
         if failed is not None:
             print(f"error: a run failed; see {failed} (start the command again to resume)", file=sys.stderr)
             return 1
-    from fastcredit.compare_report import write_report
+    from fastcredit.compare.report import write_report
 
     name = os.path.splitext(os.path.basename(args.config))[0] + ("_quick" if args.quick else "")
     labels = [label for label, _ in variants(args.methods, args.noise)]
@@ -320,7 +320,3 @@ def main(argv: Optional[list] = None) -> int:
     paths = write_report(args.runs, labels, args.out, name, args.threshold, setting)
     print("\n".join(["report:", *paths]))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

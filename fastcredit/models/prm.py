@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fastcredit.actor import ValueModel
+from fastcredit.trainer.update import ValueModel
 
 PRM_META = "prm.json"
 PRM_HEAD = "prm_head.safetensors"

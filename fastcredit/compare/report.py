@@ -14,7 +14,7 @@ import math
 import os
 from typing import Optional
 
-from fastcredit.profiling import device_name, device_slug
+from fastcredit.runtime.profiling import device_name, device_slug
 
 # Two-sided 97.5% quantiles of Student's t for 1..10 degrees of freedom; 1.96 beyond.
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)

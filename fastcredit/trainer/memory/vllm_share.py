@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from fastcredit.memory.units import GIB
+from fastcredit.trainer.memory.units import GIB
 
 
 class MemoryBudgetError(ValueError):

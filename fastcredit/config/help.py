@@ -146,12 +146,13 @@ def config_help(prefix: str) -> str:
 def describe(cls=None, prefix: str = "", keys: Optional[typing.Collection[str]] = None) -> str:
     """One line per key: name, type, default and documentation (``--help all``); with ``keys`` (dotted), only
     those keys and the headers of the sections that hold them (``--help rollout``)."""
-    from fastcredit.config import TrainConfig, _field_types
+    from fastcredit.config.load import field_types
+    from fastcredit.config.schema import TrainConfig
 
     cls = TrainConfig if cls is None else cls
     lines, defaults = [], cls()
     for f in dataclasses.fields(cls):
-        tp = _field_types(cls)[f.name]
+        tp = field_types(cls)[f.name]
         if dataclasses.is_dataclass(tp):
             inner = describe(tp, f"{prefix}{f.name}.", keys)
             if inner or keys is None:

@@ -4,10 +4,10 @@ Equations and defaults: docs/methods.md. Each switch names the paper's behaviour
 default and the released code's as an alternative where the two disagree.
 
 Who reads what: the estimators in this package read ``credit.*`` except ``reward``,
-``lambda_f`` and ``format_bonus`` (``fastcredit.rewards``), ``critic.retries`` and
+``lambda_f`` and ``format_bonus`` (``fastcredit.credit.rewards``), ``critic.retries`` and
 ``criticsearch.gold_answer`` (the judge that asks the critic) and ``dynamic_sampling``
 (the trainer, through ``fastcredit.credit.dapo``). The loss's section is
-``fastcredit.loss_config``. No torch import here: the config loader stays light.
+``fastcredit.config.loss``. No torch import here: the config loader stays light.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from fastcredit.fields import opt
+from fastcredit.config.fields import opt
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 
 from fastcredit.config import ConfigError
 from fastcredit.data.loaders import DataError, QAExample, atomic_output
-from fastcredit.rewards import score_trajectory
+from fastcredit.credit.rewards import score_trajectory
 
 # Search-R1's seven test sets in its tables' order (General QA, then multi-hop QA).
 PAPER_ORDER = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")

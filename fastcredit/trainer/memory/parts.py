@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from fastcredit.memory.shapes import ModelShape, lookup_shape
+from fastcredit.trainer.memory.shapes import ModelShape, lookup_shape
 
 STATE_BYTES_PER_PARAM = 16  # fp32 master 4, fp32 gradient 4, AdamW's two fp32 moments 8
 

@@ -11,7 +11,7 @@ each sequence and never crosses one (``fastcredit.models.varlen``: flash-attenti
 path, or a registered per-sequence SDPA; no pad token and no ``[T, T]`` mask anywhere).
 The models return one value per response token only (``[N]``): the log-prob and entropy of
 token ``j`` read the hidden state at the position before it (``pred_N``, a flat index into
-``[T]``), through the fused linear log-prob (``fastcredit.loss.linear_logprob``: never the
+``[T]``), through the fused linear log-prob (``fastcredit.trainer.loss.linear_logprob``: never the
 ``[N, V]`` logits on a GPU); the value of token ``j`` is the value head at the same position
 (the state in which ``j`` is generated, veRL's convention). The wrappers are the FSDP2
 roots, so the LM head and embeddings are gathered by the root's hooks before their use;
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from fastcredit.credit.types import CreditResult
-from fastcredit.loss import LossCounts, linear_logprob, loss_counts, policy_loss, value_loss
+from fastcredit.trainer.loss import LossCounts, linear_logprob, loss_counts, policy_loss, value_loss
 from fastcredit.models.varlen import packed_attention_kwargs, packed_positions, use_packed_attention
 from fastcredit.rollout.trajectory import TrajectoryBatch, select, selection_index
 

@@ -1,29 +1,19 @@
-"""The typed configuration tree: one dataclass per component, YAML + dotted CLI overrides.
+"""The config tree's sections: one dataclass per component, every field documented where it is declared.
 
-    cfg = load_config("configs/cwgrpo.yaml", ["credit.cwgrpo.alpha=inf", "rollout.max_turns=4"])
+    cfg = TrainConfig()                      # the defaults; fastcredit.config.load_config reads YAML and overrides
 
-YAML files hold values only; every default lives here, next to its documentation.
-Overrides apply after the YAML. Unknown keys, keys given twice in one YAML mapping, wrong
-types and numbers out of range (``fastcredit.config_checks.RANGES``) raise ConfigError naming
-the key, where it came from (file and line, or the command line) and the closest valid key.
+YAML files hold values only; every default lives here (and in the section modules beside this
+one: credit, loss, toy), next to its documentation.
 """
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import os
-import tempfile
-import typing
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional
 
-import yaml
-
-from fastcredit.config_checks import ConfigError, check_config
-from fastcredit.credit.config import CreditConfig
-from fastcredit.data.toyworld import ToyWorldConfig
-from fastcredit.fields import opt
-from fastcredit.loss_config import LossConfig
+from fastcredit.config.credit import CreditConfig
+from fastcredit.config.fields import opt
+from fastcredit.config.loss import LossConfig
+from fastcredit.config.toy import ToyWorldConfig
 
 
 @dataclass
@@ -100,7 +90,7 @@ class RolloutConfig:
     max_obs_tokens: int = opt(500, "cap on one observation's tokens")
     max_response_tokens: int = opt(4096, "cap on a whole response (actions + observations)")
     stop_at_tags: bool = opt(True, "stop generating an action at </search> or </answer>; false: Search-R1's turns, generated to EOS or max_action_tokens and cut after the first tag (configs/searchr1_design.yaml)")
-    gpu_memory_utilization: float = opt(0.0, "vLLM's share of the GPU (weights, activations, KV cache); 0: auto, what is free once the trainer's resident state is in place minus rollout.memory_margin_gib (fastcredit.memory)")
+    gpu_memory_utilization: float = opt(0.0, "vLLM's share of the GPU (weights, activations, KV cache); 0: auto, what is free once the trainer's resident state is in place minus rollout.memory_margin_gib (fastcredit.trainer.memory)")
     memory_margin_gib: float = opt(2.0, "GPU memory left free beside the vLLM engine with gpu_memory_utilization=0 (allocator fragmentation, NCCL buffers)")
     sleep_level: Literal[1, 2] = opt(2, "vLLM sleep level for the policy engine (2: drop weights, re-synced after the update)")
     enable_prefix_caching: bool = opt(True, "vLLM prefix caching")
@@ -220,256 +210,3 @@ class TrainConfig:
     warmstart: WarmStartConfig = opt(WarmStartConfig, "supervised warm start on oracle trajectories")
     eval: EvalConfig = opt(EvalConfig, "held-out exact match")
     guard: GuardConfig = opt(GuardConfig, "collapse guard on KL, gradient norm and reward")
-
-
-def load_config(path: Union[str, typing.Sequence[str], None] = None, overrides: typing.Sequence[str] = (),
-                root: type = None):
-    """Defaults, then the YAML file (if any; several: in order, each overlaying the one before, e.g. a method's
-    config then ``configs/searchr1_design.yaml``), then ``key=value`` overrides; validated.
-
-    ``root``: the config tree's class (default :class:`TrainConfig`); another command's root (e.g.
-    ``fastcredit.prm.config.PRMTrainConfig``) validates itself with its ``validate(origins)`` method."""
-    root = TrainConfig if root is None else root
-    cfg, origins = root(), {}
-    for one in ([] if path is None else [path] if isinstance(path, str) else list(path)):
-        data, lines = _read_yaml(one)
-        _apply_mapping(cfg, data, prefix="", origin=lambda k: f"{one} line {lines.get(k, '?')}", root=root)
-        origins.update((k, f"{one} line {n}") for k, n in lines.items())
-    for item in overrides:
-        key, value = _split_override(item)
-        origins[key] = f"command line '{item}'"
-        _set_dotted(cfg, key, value, origin=origins[key], root=root)
-    if root is TrainConfig:
-        validate(cfg, origins)
-    else:
-        cfg.validate(origins)
-    return cfg
-
-
-def _split_override(item: str) -> tuple[str, Any]:
-    if "=" not in item or item.startswith("="):
-        raise ConfigError(f"override {item!r} must look like key=value (e.g. credit.estimator=cwgrpo)")
-    key, raw = item.split("=", 1)
-    return key.strip(), _RawValue(raw)
-
-
-class _RawValue(str):
-    """A value typed on the command line: parsed as YAML, but kept verbatim for str fields."""
-
-
-def _read_yaml(path: str) -> tuple[dict, dict]:
-    """Parse a YAML mapping and record the line of every dotted key (for error messages)."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
-    if data is None:
-        return {}, {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
-    lines: dict[str, int] = {}
-    _record_lines(node, "", lines, path)
-    return data, lines
-
-
-def _record_lines(node, prefix: str, lines: dict, path: str) -> None:
-    """The line of every dotted key; a key given twice in one mapping (YAML keeps the last) is an error."""
-    if isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _record_lines(item, f"{prefix}{i}.", lines, path)
-    elif isinstance(node, yaml.MappingNode):
-        seen: dict[str, int] = {}
-        for key_node, value_node in node.value:
-            key, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
-            if key in seen:
-                raise ConfigError(f"{path}: '{key}' is given twice, at lines {seen[key]} and {line}")
-            seen[key] = lines[key] = line
-            _record_lines(value_node, key + ".", lines, path)
-
-
-def _apply_mapping(obj, data: dict, prefix: str, origin, root: type = None) -> None:
-    for key, value in data.items():
-        dotted = f"{prefix}{key}"
-        spec = _field_spec(obj, str(key), dotted, origin(dotted), full=_first_leaf(dotted, value), root=root)
-        if dataclasses.is_dataclass(spec.type_):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{origin(dotted)}: '{dotted}' is a section; give it a mapping of keys, got {value!r}")
-            _apply_mapping(getattr(obj, key), value, dotted + ".", origin, root)
-        else:
-            setattr(obj, key, _coerce(value, spec.type_, dotted, origin(dotted)))
-
-
-def _first_leaf(dotted: str, value) -> str:
-    """The first leaf key of a YAML value under ``dotted`` (``a.b`` with ``{b: {c: 1}}`` gives ``a.b.c``)."""
-    while isinstance(value, dict) and value:
-        key, value = next(iter(value.items()))
-        dotted = f"{dotted}.{key}"
-    return dotted
-
-
-def _set_dotted(cfg, key: str, value, origin: str, root: type = None) -> None:
-    obj, parts = cfg, key.split(".")
-    for i, part in enumerate(parts):
-        dotted = ".".join(parts[: i + 1])
-        spec = _field_spec(obj, part, dotted, origin, full=key, root=root)
-        if i == len(parts) - 1:
-            if dataclasses.is_dataclass(spec.type_):
-                example = next(iter(_field_types(spec.type_)))
-                raise ConfigError(f"{origin}: '{dotted}' is a section; set one of its keys, e.g. {dotted}.{example}=…")
-            setattr(obj, part, _coerce(value, spec.type_, dotted, origin))
-        elif not dataclasses.is_dataclass(spec.type_):
-            raise ConfigError(f"{origin}: '{dotted}' is a value, not a section, so '{key}' does not exist")
-        else:
-            obj = getattr(obj, part)
-
-
-@dataclass
-class _Spec:
-    type_: Any
-
-
-def _field_types(cls) -> dict:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _field_spec(obj, name: str, dotted: str, origin: str, full: Optional[str] = None, root: type = None) -> _Spec:
-    """The type of ``name`` in section ``obj``; an unknown key is an error naming the closest valid key, or the
-    fastcredit key of a veRL / Search-R1 key (``full``: the whole key being set, of which ``dotted`` is a part;
-    ``root``: the tree's class, default TrainConfig)."""
-    root = TrainConfig if root is None else root
-    types = _field_types(type(obj))
-    if name not in types:
-        from fastcredit.config_aliases import explain_unknown
-
-        alias = explain_unknown(dotted, full) if root is TrainConfig else None  # veRL keys map onto TrainConfig's
-        if alias is not None:
-            raise ConfigError(f"{origin}: {alias}")
-        prefix = dotted[: -len(name)]
-        valid = [prefix + k for k in types]
-        close = difflib.get_close_matches(dotted, valid + all_keys(root), n=1, cutoff=0.6)
-        hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys here: {', '.join(valid)}"
-        raise ConfigError(f"{origin}: unknown key '{dotted}'{hint}")
-    return _Spec(types[name])
-
-
-def all_keys(cls=TrainConfig, prefix: str = "") -> list[str]:
-    """Every leaf key of the config tree, dotted."""
-    out = []
-    for name, tp in _field_types(cls).items():
-        if dataclasses.is_dataclass(tp):
-            out += all_keys(tp, f"{prefix}{name}.")
-        else:
-            out.append(prefix + name)
-    return out
-
-
-def _coerce(value, tp, key: str, origin: str):
-    raw = value if isinstance(value, _RawValue) else None
-    if raw is not None:
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = str(raw)
-    origin_tp, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin_tp is typing.Union:
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            if type(None) in args:
-                return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(raw if raw is not None else value, inner[0], key, origin)
-    if origin_tp is Literal:
-        if raw is not None and any(isinstance(a, str) for a in args):
-            value = str(raw)
-        if value in args and type(value) is type(next(a for a in args if a == value)):
-            return value
-        close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"{origin}: '{key}' must be one of {list(args)}, got {value!r}{hint}")
-    if origin_tp in (list, tuple) or tp in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{origin}: '{key}' must be a list, got {value!r}")
-        return [_coerce(v, args[0], key, origin) for v in value] if args else list(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{origin}: '{key}' must be true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{origin}: '{key}' must be an integer, got {value!r}")
-    if tp is float:
-        return _to_float(value, key, origin)
-    if tp is str:
-        if raw is not None:
-            return str(raw)
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{origin}: '{key}' must be a string, got {value!r}")
-    raise ConfigError(f"{origin}: '{key}' has an unsupported type {tp!r}")
-
-
-def _to_float(value, key: str, origin: str) -> float:
-    if isinstance(value, bool):
-        raise ConfigError(f"{origin}: '{key}' must be a number, got {value!r}")
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        # NOTE: YAML 1.1 reads "1e-6" and "inf" as strings; accept what float() accepts.
-        try:
-            return float(value.strip().replace("∞", "inf"))
-        except ValueError:
-            pass
-    raise ConfigError(f"{origin}: '{key}' must be a number (inf allowed), got {value!r}")
-
-
-def validate(cfg: TrainConfig, origins: Optional[dict] = None) -> None:
-    """Every number in its range, the rules between keys, what the estimator needs (``fastcredit.config_checks``);
-    ``origins``: key → where it was set (file and line, or the command line), named in the error."""
-    check_config(cfg, origins or {})
-
-
-def to_dict(cfg) -> dict:
-    """Plain nested dict (``inf`` kept as a float)."""
-    return dataclasses.asdict(cfg)
-
-
-def dump_yaml(cfg) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None)
-
-
-def save_config(cfg, path: str) -> None:
-    """Write the merged config atomically (it is saved with every run)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(dump_yaml(cfg))
-    os.replace(tmp, path)
-
-
-def parse_cli(argv: typing.Sequence[str]) -> tuple[Union[str, list[str], None], list[str]]:
-    """Split ``[--config X.yaml [--config OVERLAY.yaml …]] [key=value …]``: the path (a list when ``--config``
-    is given more than once, applied in order by :func:`load_config`) and the overrides. Help is the
-    command's own: ``fastcredit.cli.handle_help`` answers ``--help`` before this runs."""
-    paths, overrides, args = [], [], list(argv)
-    while args:
-        a = args.pop(0)
-        if a in ("-h", "--help") or a.startswith("--help="):
-            raise ConfigError(f"{a} reached the config parser; call fastcredit.cli.handle_help(argv, ...) first")
-        if a == "--config":
-            if not args:
-                raise ConfigError("--config needs a YAML path")
-            paths.append(args.pop(0))
-        elif a.startswith("--config="):
-            paths.append(a.split("=", 1)[1])
-        elif a.startswith("--"):
-            raise ConfigError(f"unknown flag {a!r}; overrides are written key=value without dashes")
-        else:
-            overrides.append(a)
-    return (paths[0] if len(paths) == 1 else paths or None), overrides

@@ -30,9 +30,9 @@ plus:
 * weight sync: the engine's weights woken (2P/TP) while the training state is still on the
   GPU, plus the largest tensor gathered in fp32 and cast to bf16 (V x H x 6).
 
-The index and the vLLM share: ``fastcredit.memory.retrieval`` and ``fastcredit.memory.vllm_share``.
+The index and the vLLM share: ``fastcredit.trainer.memory.retrieval`` and ``fastcredit.trainer.memory.vllm_share``.
 distributed.colocate=false: nothing sleeps or moves, so the training state sits beside the
-engine in every phase. Host RAM per node: ``fastcredit.memory.host``.
+engine in every phase. Host RAM per node: ``fastcredit.trainer.memory.host``.
 """
 from __future__ import annotations
 
@@ -40,14 +40,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from fastcredit.memory import host
-from fastcredit.memory.parts import (JudgeSetup, judge_setup, reference_bytes, shard_group, training_state_bytes,
+from fastcredit.trainer.memory import host
+from fastcredit.trainer.memory.parts import (JudgeSetup, judge_setup, reference_bytes, shard_group, training_state_bytes,
                                      uses_reference, zero2_bytes)
-from fastcredit.memory.retrieval import (IndexSize, encoder_size, index_bytes_per_rank, index_size, token_store_bytes,
+from fastcredit.trainer.memory.retrieval import (IndexSize, encoder_size, index_bytes_per_rank, index_size, token_store_bytes,
                                          token_store_fits_gpu)
-from fastcredit.memory.shapes import ModelShape, kv_bytes_per_token, lookup_shape
-from fastcredit.memory.units import GIB, gib_text, tokens_text
-from fastcredit.memory.vllm_share import (MemoryBudgetError, auto_share, check_fixed_utilization,
+from fastcredit.trainer.memory.shapes import ModelShape, kv_bytes_per_token, lookup_shape
+from fastcredit.trainer.memory.units import GIB, gib_text, tokens_text
+from fastcredit.trainer.memory.vllm_share import (MemoryBudgetError, auto_share, check_fixed_utilization,
                                           engine_memory_utilization)
 
 CONTEXT_BYTES = GIB              # CUDA context, cuBLAS / NCCL workspaces (estimate)
@@ -76,7 +76,7 @@ ADVICE = {
 @dataclass
 class MemoryPlan:
     """Bytes per GPU for each phase's components; ``problems`` in plain words, ``hard`` those that stop a run;
-    ``host``: host RAM per node (:class:`fastcredit.memory.host.HostPlan`)."""
+    ``host``: host RAM per node (:class:`fastcredit.trainer.memory.host.HostPlan`)."""
     gpu_gib: float
     gpus: int
     shape: ModelShape

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from fastcredit.prm.data import PRMEncoder, pack, token_budget_groups
-from fastcredit.prm.model import PRMModel, hazards, load_prm
+from fastcredit.models.prm import PRMModel, hazards, load_prm
 
 
 class PRMScorer:

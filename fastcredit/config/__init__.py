@@ -1,0 +1,24 @@
+"""The config tree: typed sections, YAML and dotted overrides, checks, veRL aliases and --help.
+
+    from fastcredit.config import TrainConfig, load_config
+    cfg = load_config("configs/criticsearch.yaml", ["credit.estimator=cwgrpo"])
+
+Sections are declared in ``schema`` (and ``credit``, ``loss``, ``toy``), loaded by ``load``,
+checked by ``checks``; ``aliases`` maps veRL / Search-R1 keys, ``help`` prints ``--help``.
+This package imports nothing else of fastcredit, so every command can read its config first.
+"""
+from fastcredit.config.checks import ConfigError, ConfigPathError
+from fastcredit.config.credit import CreditConfig
+from fastcredit.config.load import (all_keys, dump_yaml, load_config, parse_cli, save_config, to_dict,
+                                    validate)
+from fastcredit.config.loss import LossConfig
+from fastcredit.config.schema import (DataConfig, DistributedConfig, EvalConfig, GuardConfig, JudgesConfig,
+                                      LoggingConfig, ModelConfig, OptimConfig, ProceedRolloutConfig,
+                                      RetrievalConfig, RolloutConfig, TrainConfig, WarmStartConfig)
+from fastcredit.config.toy import ToyWorldConfig
+
+__all__ = ["ConfigError", "ConfigPathError", "CreditConfig", "DataConfig", "DistributedConfig", "EvalConfig",
+           "GuardConfig", "JudgesConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OptimConfig",
+           "ProceedRolloutConfig", "RetrievalConfig", "RolloutConfig", "ToyWorldConfig", "TrainConfig",
+           "WarmStartConfig", "all_keys", "dump_yaml", "load_config", "parse_cli", "save_config", "to_dict",
+           "validate"]

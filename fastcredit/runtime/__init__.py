@@ -1,0 +1,1 @@
+"""What every command runs on: metrics tracking, profiling (NVTX, phase timers), batching for asyncio callers."""
