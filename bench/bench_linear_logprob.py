@@ -56,7 +56,8 @@ def logprob_fn(provider: str):
 
 
 def gemm_flops(provider: str, mode: str, N: int, V: int, H: int) -> float:
-    """FLOPs of the [N, H] x [H, V]-sized GEMMs ``provider`` runs in ``mode`` (the fused backward recomputes the logits)."""
+    """FLOPs of the [N, H] x [H, V]-sized GEMMs ``provider`` runs in ``mode``
+    (the fused backward recomputes the logits)."""
     gemms = {"fwd": 1, "bwd": 2, "fwd+bwd": 3}[mode] + (mode != "fwd" and provider == "triton")
     return 2.0 * N * V * H * gemms
 

@@ -54,7 +54,7 @@ def make_batch(args):
 
 def padded_logprobs(lm, prompts, batch, device, impl):
     """The former path: ``[B, L]`` + attention mask, hidden states gathered at ``(row_N, pos_N)``."""
-    from fastcredit.trainer.loss import linear_logprob
+    from fastcredit.models.logprob import linear_logprob
 
     B = batch.num_trajectories
     P_B = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
@@ -89,13 +89,14 @@ def _load_average() -> float:
 
 
 def run(args) -> dict:
-    from fastcredit.trainer.update import PolicyModel, model_inputs
+    from fastcredit.models.packed import PolicyModel, model_inputs
     from fastcredit.models.tiny import build_tiny_policy
 
     device = torch.device(args.device)
     load_before = _load_average()
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    lm = build_tiny_policy(_Vocab(args.vocab), hidden=args.hidden, layers=args.layers, heads=args.heads).to(device, dtype)
+    lm = build_tiny_policy(_Vocab(args.vocab), hidden=args.hidden, layers=args.layers,
+                           heads=args.heads).to(device, dtype)
     padded_lm, policy = copy.deepcopy(lm), PolicyModel(lm, args.impl)
     batch, prompts = make_batch(args)
     T = sum(len(p) for p in prompts) + batch.num_tokens
@@ -103,7 +104,7 @@ def run(args) -> dict:
     B = batch.num_trajectories
 
     def packed_fwd():
-        return policy(model_inputs(prompts, batch, 0, device))
+        return policy(model_inputs(prompts, batch, device))
 
     def padded_fwd():
         return padded_logprobs(padded_lm, prompts, batch, device, args.impl)
@@ -143,7 +144,8 @@ def run(args) -> dict:
     return {"device": device_name(device.type), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "attention": lm.config._attn_implementation, "reference_attention": padded_lm.config._attn_implementation,
             "load_average_1min_before_after": [load_before, _load_average()],
-            "dtype": str(dtype).replace("torch.", ""), "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "vocab": args.vocab},
+            "dtype": str(dtype).replace("torch.", ""),
+            "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "vocab": args.vocab},
             "shape": {"trajectories": B, "prompt": args.prompt, "response_len_min": int(batch.seqlens_B.min()),
                       "response_len_max": int(batch.seqlens_B.max()), "T_real_tokens": T, "padded_B_x_L": B * L,
                       "padding_fraction": 1 - T / (B * L), "repeats": args.repeats},
@@ -162,7 +164,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=2000)
     p.add_argument("--impl", default="auto", help="loss.impl of the fused log-prob (both sides)")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--dtype", default="", help="model dtype (default: bfloat16 on CUDA, as training computes; float32 on the CPU)")
+    p.add_argument("--dtype", default="",
+                   help="model dtype (default: bfloat16 on CUDA, as training computes; float32 on the CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")

@@ -108,7 +108,8 @@ def searchr1_server(corpus_path: str, index_path: str, model_path: str, port: in
         results, scores = batch_search(request.queries, request.topk or 3)
         resp = []
         for i, single in enumerate(results):
-            resp.append([{"document": d, "score": s} for d, s in zip(single, scores[i])] if request.return_scores else single)
+            resp.append([{"document": d, "score": s} for d, s in zip(single, scores[i])]
+                        if request.return_scores else single)
         return {"result": resp}
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
@@ -194,7 +195,8 @@ def make_synthetic(folder: str, n: int, dim: int, seed: int) -> dict:
     encoder = bert_base_encoder(folder, seed) if dim == 768 else "minilm"
     return {"corpus": corpus_path, "index": index_path, "encoder": encoder, "sample": sample, "queries": None,
             "passages": n, "dim": dim,
-            "encoder_desc": "BERT-base-sized (e5-base-v2's shape), random weights" if dim == 768 else "all-MiniLM-L6-v2",
+            "encoder_desc": ("BERT-base-sized (e5-base-v2's shape), random weights" if dim == 768
+                             else "all-MiniLM-L6-v2"),
             "embeddings": "random unit vectors (search cost does not depend on the values)"}
 
 
@@ -242,7 +244,8 @@ def measure_world(name: str, w: dict, args, device: str, folder: str) -> dict:
     retriever = open_retriever(corpus=w["corpus"], index=w["index"], encoder=w["encoder"], tokenizer=policy_tok,
                                device=device, progress=True)
     setup_s = time.time() - t0
-    print(f"[{name}] {w['passages']:,} passages x {w['dim']}: stores and tokenizer ready in {setup_s:.0f} s", flush=True)
+    print(f"[{name}] {w['passages']:,} passages x {w['dim']}: stores and tokenizer ready in {setup_s:.0f} s",
+          flush=True)
     rng = random.Random(args.seed + 1)
     if w["queries"]:
         queries = [rng.choice(w["queries"]) for _ in range(max(args.batches))]
@@ -272,18 +275,22 @@ def measure_world(name: str, w: dict, args, device: str, folder: str) -> dict:
             row["encode_only_ms"] = 1e3 * median_s(lambda: retriever.encoder.encode_queries(batch), args.reps)
             for n, url in urls.items():
                 row[f"{n}_ms"] = 1e3 * median_s(lambda: searchr1_client(url, batch, args.k, policy_tok), args.reps)
-            row["fastcredit_inprocess_ms"] = 1e3 * median_s(lambda: retriever.observation_tokens(batch, args.k), args.reps)
+            row["fastcredit_inprocess_ms"] = 1e3 * median_s(lambda: retriever.observation_tokens(batch, args.k),
+                                                            args.reps)
             row["speedup_inprocess_vs_searchr1"] = row["searchr1_http_ms"] / row["fastcredit_inprocess_ms"]
             row["speedup_http_vs_searchr1"] = row["searchr1_http_ms"] / row["fastcredit_http_ms"]
             enc = row["encode_only_ms"]
             over = {n: row[f"{n}_ms"] - enc for n in ("searchr1_http", "fastcredit_http", "fastcredit_inprocess")}
             row["overhead_beyond_encoder_ms"] = over
             # The encoder is the same model on every path; what the designs differ in is everything else.
-            row["overhead_ratio_searchr1_vs_inprocess"] = over["searchr1_http"] / max(over["fastcredit_inprocess"], 1.0)  # ms; below 1 ms is timer noise
+            row["overhead_ratio_searchr1_vs_inprocess"] = (
+                over["searchr1_http"] / max(over["fastcredit_inprocess"], 1.0))  # ms; below 1 ms is timer noise
             rows.append(row)
-            print(f"[{name}] Q={q:4d}  encode {enc:8.1f} ms | searchr1 {row['searchr1_http_ms']:8.1f} | fastcredit http "
-                  f"{row['fastcredit_http_ms']:8.1f} | in-process {row['fastcredit_inprocess_ms']:8.1f} | "
-                  f"x{row['speedup_inprocess_vs_searchr1']:.2f} in-process, x{row['speedup_http_vs_searchr1']:.2f} http; "
+            print(f"[{name}] Q={q:4d}  encode {enc:8.1f} ms | searchr1 {row['searchr1_http_ms']:8.1f} | "
+                  f"fastcredit http {row['fastcredit_http_ms']:8.1f} | "
+                  f"in-process {row['fastcredit_inprocess_ms']:8.1f} | "
+                  f"x{row['speedup_inprocess_vs_searchr1']:.2f} in-process, "
+                  f"x{row['speedup_http_vs_searchr1']:.2f} http; "
                   f"beyond the encoder x{row['overhead_ratio_searchr1_vs_inprocess']:.1f}", flush=True)
     finally:
         for p in procs.values():
@@ -295,7 +302,8 @@ def measure_world(name: str, w: dict, args, device: str, folder: str) -> dict:
 
 
 def run(args) -> dict:
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
+        "cpu" if args.device == "auto" else args.device)
     folder = tempfile.mkdtemp(prefix="bench_retrieval_")
     worlds = {}
     for name in args.worlds:

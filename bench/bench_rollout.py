@@ -142,7 +142,8 @@ def run(a) -> None:
         timing = {k.removeprefix("time/rollout/"): statistics.median(x.stats[k] for x in results)
                   for k in res.stats if k.startswith(("time/rollout/", "engine/"))}
         rows[mode] = {"median_s": med, "trajectories_per_s": a.trajectories / med,
-                      "turns_per_traj": res.stats["turns_per_traj"], "searches_per_traj": res.stats["searches_per_traj"],
+                      "turns_per_traj": res.stats["turns_per_traj"],
+                      "searches_per_traj": res.stats["searches_per_traj"],
                       "answered_at_turn_1": float(sum(len(e.turns) == 1 for e in res.episodes) / len(res.episodes)),
                       "searches_max": int(searches.max()), "action_tokens_mean": float(lens.mean()),
                       "action_tokens_std": float(lens.std()), "response_tokens_mean": res.stats["response_tokens_mean"],
@@ -151,16 +152,18 @@ def run(a) -> None:
               f"searches {rows[mode]['searches_per_traj']:.2f} (max {rows[mode]['searches_max']})  "
               f"answered at turn 1 {rows[mode]['answered_at_turn_1']:.2f}  action tokens "
               f"{rows[mode]['action_tokens_mean']:.0f}±{rows[mode]['action_tokens_std']:.0f}  | generating "
-              f"{timing['generating']:.2f} s  retrieving {timing['retrieving']:.2f} s  overlap {timing['overlap']:.2f} s"
+              f"{timing['generating']:.2f} s  retrieving {timing['retrieving']:.2f} s  "
+              f"overlap {timing['overlap']:.2f} s"
               + (f"  | engine steps {timing['engine/steps']:.0f} ({timing['engine/step_s']:.2f} s)"
                  if "engine/steps" in timing else ""), flush=True)
     ratio = rows["async"]["trajectories_per_s"] / rows["lockstep"]["trajectories_per_s"]
     print(f"async / lockstep throughput: x{ratio:.2f}")
     dev = device_name(device.type)
     extra = {"engine_max_running": engine.driver.max_running} if a.engine == "vllm" else {}
-    write_results(f"rollout_{a.engine}", {"device": dev, "engine": a.engine, "trajectories": a.trajectories, "reps": a.reps,
-                         "torch_threads": torch.get_num_threads(), "load_average_1min": os.getloadavg()[0],
-                         "modes": rows, "async_over_lockstep": ratio, **extra}, a.out)
+    write_results(f"rollout_{a.engine}", {"device": dev, "engine": a.engine, "trajectories": a.trajectories,
+                                          "reps": a.reps, "torch_threads": torch.get_num_threads(),
+                                          "load_average_1min": os.getloadavg()[0],
+                                          "modes": rows, "async_over_lockstep": ratio, **extra}, a.out)
     engine.close()
 
 

@@ -257,7 +257,8 @@ def main(argv=None) -> int:
                                              work, a.steps, a.warmup)
     finally:
         server.close()
-    report = {"device": device_name("cuda" if torch.cuda.is_available() else "cpu"), "torch": torch.__version__, "shape": a.shape, "config": a.config,
+    report = {"device": device_name("cuda" if torch.cuda.is_available() else "cpu"), "torch": torch.__version__,
+              "shape": a.shape, "config": a.config,
               "overrides": a.overrides, "steps": a.steps, "warmup": a.warmup,
               "runs": {d: {"wall_s": r["wall_s"], "peak": r["peak"], "rows": r["rows"]} for d, r in runs.items()}}
     report["table"] = phase_table(runs)

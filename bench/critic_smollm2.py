@@ -76,7 +76,8 @@ def trajectories(n=20):
             obs = format_observation(by_id[p] for p in h["passage_ids"][:3])
             steps.append(StepText("search", f"<think>I need {h['query']}.</think>\n<search>{h['query']}</search>", obs,
                                   h["query"], list(h["passage_ids"][:3])))
-        steps.insert(1, StepText("search", steps[0].action, steps[0].observation, steps[0].query, steps[0].retrieved_ids))
+        steps.insert(1, StepText("search", steps[0].action, steps[0].observation, steps[0].query,
+                                 steps[0].retrieved_ids))
         ans = ex.golden_answers[0]
         steps.append(StepText("answer", f"<think>So it is {ans}.</think>\n<answer>{ans}</answer>"))
         items.append(JudgeItem(ex.question, ex.golden_answers, steps, ans, 1.0, {"example": ex}))

@@ -52,7 +52,7 @@ run_stage env "$PY" bench/gpu_check.py env "$OUT"
 
 if [ "$CUDA" = 1 ]; then
   build() {
-    FASTCREDIT_BUILD_CUDA=1 "$PY" -m pip install --no-deps --no-build-isolation -e . \
+    FASTCREDIT_BUILD_CUDA=1 "$PY" -m pip install --no-deps --no-build-isolation --use-pep517 -e . \
       && "$PY" -c "import fastcredit._C" \
       && record build passed "fastcredit._C built and loaded" || record build failed "see build.log"
   }
@@ -84,7 +84,7 @@ run_stage rollout "$PY" bench/gpu_check.py rollout "$OUT"
 
 if [ "$CUDA" = 1 ]; then
   step_stage() {  # fastcredit's step against the Search-R1 design (bench/bench_step.py), a random Qwen2.5-0.5B
-    PYTHONPATH=".:bench" "$PY" bench/bench_step.py --shape Qwen2.5-0.5B --steps 3 --warmup 1 --out "$OUT" \
+    PYTHONPATH=".:bench${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/bench_step.py --shape Qwen2.5-0.5B --steps 3 --warmup 1 --out "$OUT" \
       --work "$OUT/work/step" && record step passed "step_Qwen2.5-0.5B_*.{json,md,png}" || record step failed "see step.log"
   }
   export -f step_stage

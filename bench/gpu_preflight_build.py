@@ -242,7 +242,7 @@ def build_and_import(tree: str, venv: str, log: Log, report: dict) -> None:
     build_cmd, import_cmd = build_cmd.replace("$(PY)", py), import_cmd.replace("$(PY)", py)
     report["commands"] = {"build": build_cmd, "import": import_cmd}
     env = build_env(venv)
-    so_path = build(build_cmd, tree, env, log, report)
+    build(build_cmd, tree, env, log, report)
     say(f"import: {import_cmd}  (fresh process, no LD_LIBRARY_PATH)")
     start = time.monotonic()
     try:

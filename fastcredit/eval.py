@@ -258,7 +258,8 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
             for k in range(0, len(todo), batch):
                 idx = todo[k:k + batch]
                 exs = [examples[i] for i in idx]
-                prompts = example_prompt_ids(tokenizer, exs, d.prompt_source, d.prompt_template, cfg.model.chat_template)
+                prompts = example_prompt_ids(tokenizer, exs, d.prompt_source, d.prompt_template,
+                                             cfg.model.chat_template)
                 result = loop.run(prompts)
                 cache.add(score_records(result.episodes, exs, idx))
                 bar.update(len(idx))

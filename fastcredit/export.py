@@ -31,69 +31,22 @@ do not fit the run's model).
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
-import warnings
 from typing import Callable, Optional
 
 import torch
 
-# Where the trainer keeps its policy: DCP nests ``{name: {"model": PolicyModel state dict}}``
-# (fastcredit.distributed.checkpoint._app_state, named "policy" by Trainer._checkpointed), and PolicyModel holds
-# the HF model as ``.lm``; DeepSpeed saves the PolicyModel's own state dict under engine/policy.
-POLICY = "policy"
-DCP_PREFIX = f"{POLICY}.model.lm."
-ZERO_PREFIX = "lm."
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from fastcredit.data.tokenizer import load_tokenizer
+from fastcredit.distributed.weights import (DTYPES, ExportError, find_checkpoint, name_deepspeed_accelerator,
+                                            read_policy_weights)
+
 DEFAULT_SHARD = "5GB"
-
-
-class ExportError(ValueError):
-    """The run, checkpoint or output folder cannot be exported as asked; the message names the file or key."""
 
 
 def _say(text: str) -> None:
     print(f"export: {text}", flush=True)
-
-
-def _name_deepspeed_accelerator() -> None:
-    # NOTE: DeepSpeed picks its accelerator at first import, probing for xpu / npu / ... packages and
-    # warning on a CPU. Reading a ZeRO checkpoint imports it, and so does transformers' save_pretrained
-    # (through accelerate); name it as the trainer does (fastcredit.distributed.deepspeed_engine).
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-
-
-def find_checkpoint(run_dir: str, step: Optional[int] = None) -> str:
-    """The folder of ``run_dir``'s checkpoint at ``step`` (default: the one ``checkpoints/latest`` names), its files
-    checked against its manifest (``fastcredit.distributed.checkpoint.verify_checkpoint``)."""
-    if not os.path.isdir(run_dir):
-        raise ExportError(f"run folder {run_dir} does not exist")
-    from fastcredit.distributed.checkpoint import LATEST, CheckpointError, finished_steps, latest_checkpoint, verify_checkpoint
-
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
-    steps = sorted(finished_steps(ckpt_dir))
-    if not steps:
-        raise ExportError(f"{ckpt_dir} holds no finished checkpoint (step_N folders): nothing to export")
-    listing = ", ".join(map(str, steps))
-    if step is None:
-        try:
-            path = latest_checkpoint(ckpt_dir)
-        except (FileNotFoundError, CheckpointError) as exc:
-            raise ExportError(f"{exc} (available steps: {listing})") from exc
-        if path is None:
-            raise ExportError(f"{os.path.join(ckpt_dir, LATEST)} is missing; pass --step (available: {listing})")
-    else:
-        path = os.path.join(ckpt_dir, f"step_{step:06d}")
-        if step not in steps:
-            raise ExportError(f"{ckpt_dir} has no checkpoint at step {step} ({os.path.basename(path)}); "
-                              f"available steps: {listing}")
-    problems = verify_checkpoint(path)  # its manifest's sizes and sha256 (fastcredit.distributed.checkpoint)
-    if problems:
-        raise ExportError(f"{path} is damaged; pass --step with another (available: {listing}):\n  "
-                          + "\n  ".join(problems))
-    return path
 
 
 def _check_out(out_dir: str, run_dir: str, force: bool) -> None:
@@ -140,130 +93,8 @@ def build_policy(run_dir: str):
             from exc
 
 
-def tie_groups(lm: torch.nn.Module) -> list[list[str]]:
-    """``lm``'s state-dict names grouped by the tensor they share (tied embeddings: one group of two)."""
-    groups: dict = {}
-    for name, t in lm.state_dict(keep_vars=True).items():
-        groups.setdefault((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()), []).append(name)
-    return list(groups.values())
-
-
-def check_names_and_shapes(lm: torch.nn.Module, found: dict, where: str) -> list[list[str]]:
-    """Compare the checkpoint's ``{HF name: shape}`` with ``lm``; returns each tie group's names present in it.
-
-    Raises ExportError naming the first key the model lacks, lacks in the checkpoint, or whose shape differs."""
-    own = lm.state_dict()
-    hint = "the run's config.yaml does not describe the model that wrote this checkpoint"
-    for name, shape in found.items():
-        if name not in own:
-            raise ExportError(f"{where} holds {name} {list(shape)}, which the policy built from config.yaml lacks "
-                              f"({hint})")
-        if tuple(own[name].shape) != tuple(shape):
-            raise ExportError(f"{where}: {name} has shape {list(shape)} in the checkpoint but "
-                              f"{list(own[name].shape)} in the policy built from config.yaml ({hint})")
-    present = []
-    for group in tie_groups(lm):
-        names = [n for n in group if n in found]
-        if not names:
-            raise ExportError(f"{where} has no {group[0]}, which the policy built from config.yaml needs ({hint})")
-        present.append(names)
-    return present
-
-
-def _check_tied(names: list[str], tensors: list[torch.Tensor], where: str) -> None:
-    for name, t in zip(names[1:], tensors[1:]):
-        if not torch.equal(t, tensors[0]):
-            raise ExportError(f"{where}: {names[0]} and {name} are one tied tensor in the model but differ in the "
-                              "checkpoint")
-
-
-def read_dcp_policy(folder: str, lm: torch.nn.Module) -> str:
-    """Load the policy's weights from the DCP checkpoint ``folder`` (``step_N/model``) into ``lm``, in place.
-
-    One process, no process group: DCP plans the read of each full tensor from whatever shards
-    the ranks wrote. Only ``policy.model.lm.*`` is read. Returns a description of what was read."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from fastcredit.distributed.engine import hf_name
-
-    reader = dcp.FileSystemReader(folder)
-    meta = reader.read_metadata()
-    keys = {hf_name(k[len(DCP_PREFIX):]): k for k, m in meta.state_dict_metadata.items()
-            if k.startswith(DCP_PREFIX) and isinstance(m, TensorStorageMetadata)}
-    if not keys:
-        raise ExportError(f"{folder}/.metadata has no {DCP_PREFIX}* tensors: no policy weights in this checkpoint")
-    found = {n: tuple(meta.state_dict_metadata[k].size) for n, k in keys.items()}
-    groups = check_names_and_shapes(lm, found, folder)
-    own = lm.state_dict()
-    targets = {}
-    for names in groups:  # the first copy straight into the model's tensor, a tied twin beside it for the check
-        targets[keys[names[0]]] = own[names[0]]
-        targets.update({keys[n]: torch.empty_like(own[n]) for n in names[1:]})
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(targets, storage_reader=reader, no_dist=True)
-    for names in groups:
-        _check_tied(names, [targets[keys[n]] for n in names], folder)
-    files = sorted(f for f in os.listdir(folder) if f.endswith(".distcp"))
-    return f"{len(keys)} tensors {DCP_PREFIX}* from DCP {folder} ({len(files)} shard file(s); optimizer state not read)"
-
-
-def read_zero_policy(folder: str, lm: torch.nn.Module) -> str:
-    """Load the policy's fp32 master weights from the DeepSpeed ZeRO checkpoint ``folder`` (``engine/policy``)
-    into ``lm``, consolidating every rank's partition in this process. Returns a description of what was read."""
-    _name_deepspeed_accelerator()
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    from fastcredit.distributed.engine import hf_name
-
-    ranks = sorted(f for f in os.listdir(folder) if f.endswith("_optim_states.pt"))
-    try:  # lazy: each full tensor is assembled from the partitions only when it is copied into the model
-        state = get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(folder), tag=os.path.basename(folder),
-                                                         lazy_mode=True)
-    except (ValueError, FileNotFoundError) as exc:
-        raise ExportError(f"DeepSpeed could not consolidate {folder}: {exc}") from exc
-    keys = {hf_name(k[len(ZERO_PREFIX):]): k for k in state if k.startswith(ZERO_PREFIX)}
-    if not keys:
-        raise ExportError(f"{folder} has no {ZERO_PREFIX}* weights: not a fastcredit policy checkpoint")
-    groups = check_names_and_shapes(lm, {n: tuple(state[k].shape) for n, k in keys.items()}, folder)
-    own = lm.state_dict()
-    for names in groups:
-        first = state[keys[names[0]]].contiguous()
-        own[names[0]].copy_(first)
-        # DeepSpeed's shared_params are one object already; anything else must hold the same values
-        twins = [n for n in names[1:] if state[keys[n]] is not state[keys[names[0]]]]
-        _check_tied([names[0], *twins], [first, *(state[keys[n]].contiguous() for n in twins)], folder)
-    return f"{len(keys)} tensors {ZERO_PREFIX}* from DeepSpeed ZeRO {folder} ({len(ranks)} rank partition(s))"
-
-
-def read_policy_weights(ckpt: str, lm: torch.nn.Module) -> str:
-    """Load the policy's weights of the checkpoint folder ``ckpt`` (``step_N``) into ``lm``, whichever engine
-    wrote it; returns what was read."""
-    zero, dcp_dir = os.path.join(ckpt, "engine", POLICY), os.path.join(ckpt, "model")
-    if os.path.isdir(zero):
-        return read_zero_policy(zero, lm)
-    if os.path.isdir(dcp_dir):
-        return read_dcp_policy(dcp_dir, lm)
-    raise ExportError(f"{ckpt} has neither model/ (DCP, FSDP2) nor engine/{POLICY}/ (DeepSpeed): no policy weights")
-
-
 # Text that tells tokenizers apart: digits after a space, tags, quotes, non-ASCII letters, blank lines.
 PROBE = 'Doc 1(Title: "Zoë Ödön") was born in 1987.\n\n<search> who founded it? </search> <answer>x</answer>'
-
-
-def load_tokenizer(folder: str):
-    """The tokenizer of an exported ``folder`` as the run used it: the class its tokenizer_config.json names
-    (``AutoTokenizer`` may substitute the model type's class; see the module docstring)."""
-    from transformers import AutoTokenizer
-    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
-
-    path, name = os.path.join(folder, "tokenizer_config.json"), None
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            name = json.load(f).get("tokenizer_class")
-    cls = tokenizer_class_from_name(name) if name else None
-    return (cls or AutoTokenizer).from_pretrained(folder)
 
 
 def _tokenizer_check(folder: str, tokenizer, out_dir: str) -> Optional[str]:
@@ -310,7 +141,7 @@ def export_checkpoint(run_dir: str, out_dir: str, step: Optional[int] = None, dt
     in ``dtype`` (float32, bfloat16, float16); returns ``out_dir``. See the module docstring."""
     if dtype not in DTYPES:
         raise ExportError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    _name_deepspeed_accelerator()
+    name_deepspeed_accelerator()
     ckpt = find_checkpoint(run_dir, step)
     _check_out(out_dir, run_dir, force)
     cfg, lm, tokenizer = build_policy(run_dir)

@@ -30,6 +30,7 @@ from typing import Optional
 from fastcredit.config.help import format_usage, handle_help, take_flags
 from fastcredit.config import ConfigError, load_config, parse_cli
 from fastcredit.config.checks import check_paths
+from fastcredit.credit.needs import check_needs
 from fastcredit.distributed.process_group import init_distributed, shutdown
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
@@ -75,6 +76,7 @@ def main(argv: Optional[list] = None) -> int:
         report, argv = _report_flags(argv)
         path, overrides = parse_cli(argv)
         cfg = load_config(path or DEFAULT_CONFIG, overrides)
+        check_needs(cfg)  # the estimator's judge, PRM or ProCeed rollouts, before anything loads
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -104,8 +106,8 @@ def main(argv: Optional[list] = None) -> int:
 
 
 def memory_report(cfg, opts: dict) -> int:
-    """Print :func:`fastcredit.trainer.memory.format_plan` for ``cfg``; 0 when it can run, 2 otherwise. No process group,
-    model, data or index is touched (the GPU's size is the one CUDA query, the host's RAM /proc/meminfo)."""
+    """Print :func:`fastcredit.trainer.memory.format_plan` for ``cfg``; 0 when it can run, 2 otherwise. No process
+    group, model, data or index is touched (the GPU's size is the one CUDA query, the host's RAM /proc/meminfo)."""
     from fastcredit.trainer import memory
 
     gpu_gib = opts.get("--gpu-gib")

@@ -8,7 +8,7 @@
 elsewhere; ``triton`` insists on the kernel (on CPU tensors too: the interpreter runs it
 when ``TRITON_INTERPRET=1``); ``torch`` never runs it. The kernels' host code asks
 :func:`interpreted` to pick configurations the interpreter can afford. Every op is
-dispatched the same way from ``fastcredit.trainer.loss`` (the README's "Add a kernel").
+dispatched the same way from ``fastcredit.trainer.loss`` (docs/extending.md, "Add a kernel").
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``python -m fastcredit.train`` that SIGKILLs itself at a chosen point, as a crash or a pre-emption would.
 
     KILL_AT=update:2 python tests/killed_run.py --config configs/debug.yaml ...   # in step 2's PPO update
-    KILL_AT=latest:2 python tests/killed_run.py ...   # in step 2's checkpoint: its folder is in place, `latest` not moved
+    KILL_AT=latest:2 python tests/killed_run.py ...   # in step 2's checkpoint, before `latest` moves to it
 
 ``phase:n`` kills on the n-th entry into the trainer's timed phase ``phase`` (one per step);
 ``latest:n`` on the n-th checkpoint, just before ``latest`` would name it. SIGKILL runs no

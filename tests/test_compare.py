@@ -63,13 +63,26 @@ def test_compare_runs_every_method_resumes_and_reproduces(tmp_path):
     assert (other / "warmstart" / next((runs / "warmstart").glob("*.pt")).name).exists()
 
 
-def test_compare_rejects_bad_arguments(tmp_path):
-    for args, needle in ((["--methods", "grpo,dpo"], "unknown dpo"), (["--seeds", "0"], "--seeds"), (["--jobs", "0"], "--jobs"),
-                         (["--noise", "1.5"], "--noise"), (["optim.lr"], "key=value")):
-        proc = compare(tmp_path, tmp_path / "r", *args)
-        assert proc.returncode == 2 and needle in proc.stderr, (args, proc.stderr)
-    proc = compare(tmp_path, tmp_path / "r", "optim.total_steps=-1")
-    assert proc.returncode == 2 and "optim.total_steps" in proc.stderr
+def test_compare_rejects_bad_arguments(tmp_path, capsys):
+    """In process (the command's own main): every refusal comes before a run, a lock or a signal handler."""
+    from fastcredit.compare.runs import main
+
+    def refused(*args) -> str:
+        argv = ["--config", os.path.join(ROOT, "configs", "debug.yaml"), "--runs", str(tmp_path / "r"),
+                "--out", str(tmp_path / "out"), f"data.world_dir={tmp_path / 'world'}", *SMALL, *args]
+        try:
+            rc = main(argv)
+        except SystemExit as exc:  # argparse's refusals
+            rc = exc.code
+        err = capsys.readouterr().err
+        assert rc == 2, (args, err)
+        return err
+
+    for args, needle in ((["--methods", "grpo,dpo"], "unknown dpo"), (["--seeds", "0"], "--seeds"),
+                         (["--jobs", "0"], "--jobs"), (["--noise", "1.5"], "--noise"), (["optim.lr"], "key=value")):
+        assert needle in refused(*args), args
+    assert "optim.total_steps" in refused("optim.total_steps=-1")
+    assert not (tmp_path / "r").exists()
 
 
 def test_variants_and_summaries():
@@ -117,7 +130,8 @@ def test_status_lines_of_a_run_are_relayed_and_its_step_table_is_not(tmp_path, c
         fh.flush()
         tail.relay(final=True)
     tail.close()
-    assert capsys.readouterr().out == "  grpo: held-out EM before training: 0.440\n  grpo: Traceback (most recent call last):\n"
+    assert capsys.readouterr().out == ("  grpo: held-out EM before training: 0.440\n"
+                                       "  grpo: Traceback (most recent call last):\n")
 
 
 def _processes_naming(text: str) -> list[str]:

@@ -1,7 +1,7 @@
-"""``fastcredit.eval``: questions spread over data sources, scores as Search-R1's qa_em, the papers' table, the
-predictions cache (resume after an interruption), the command on the toy world and on a fabricated seven-source
-parquet in Search-R1's schema, a run folder evaluated through its exported checkpoint, and the trainer's periodic
-evaluation per data source."""
+"""``fastcredit.eval``: scores as Search-R1's qa_em, the command on the toy world and on a fabricated seven-source
+parquet in Search-R1's schema, resuming after an interruption, a run folder evaluated through its exported
+checkpoint, and the trainer's periodic evaluation per data source. The held-out scoring itself (questions spread
+over sources, the papers' table, the predictions cache) is ``tests/trainer/test_heldout.py``."""
 import json
 import os
 import re
@@ -15,9 +15,8 @@ import pytest
 
 from fastcredit.trainer import parts as C
 from fastcredit import eval as E
-from fastcredit.trainer import heldout as V
 from fastcredit.config import load_config
-from fastcredit.data.loaders import DataError, QAExample, write_searchr1_parquet
+from fastcredit.data.loaders import write_searchr1_parquet
 from fastcredit.data.toyqa import oracle_actions
 from fastcredit.rollout.engines.base import GenOutput
 
@@ -34,59 +33,6 @@ def searchr1_em(prediction, golds) -> float:
         return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
 
     return float(prediction is not None and any(norm(g) == norm(prediction) for g in golds))
-
-
-def _examples(counts: dict) -> list:
-    return [QAExample(f"{s}-{k}", f"q {s} {k}", ["a"], data_source=s) for s, n in counts.items() for k in range(n)]
-
-
-# ------------------------------------------------------------------------------------------- units
-
-
-def test_questions_are_spread_evenly_over_sources_and_the_same_every_time():
-    exs = _examples({"hotpotqa": 50, "nq": 50, "bamboogle": 3, "toy": 20})
-    idx = V.sample_per_source(exs, 30, seed=1)
-    by = {s: sum(exs[i].data_source == s for i in idx) for s in ("nq", "hotpotqa", "bamboogle", "toy")}
-    assert by == {"nq": 9, "hotpotqa": 9, "bamboogle": 3, "toy": 9}  # bamboogle runs out; the others share its rest
-    assert idx == sorted(idx) and len(set(idx)) == 30
-    assert V.sample_per_source(exs, 30, seed=1) == idx and V.sample_per_source(exs, 30, seed=2) != idx
-    assert V.sample_per_source(exs, 500, seed=1) == list(range(len(exs)))
-
-
-def test_summary_and_table_follow_the_papers_layout():
-    recs = [{"data_source": s, "em": em, "f1": f1} for s, em, f1 in
-            [("hotpotqa", 1, 1), ("hotpotqa", 0, 0.5), ("nq", 1, 1), ("bamboogle", 0, 0), ("bamboogle", 0, 0.2),
-             ("popqa", 1, 1), ("zeta", 0, 0)]]
-    s = V.summarize(V.source_sums(recs), in_domain={"nq", "hotpotqa"})
-    assert [r["name"] for r in s["sources"]] == ["nq", "popqa", "hotpotqa", "bamboogle", "zeta"]  # papers' order
-    assert s["in_domain"]["em"] == pytest.approx((1 + 0.5) / 2) and s["in_domain"]["f1"] == pytest.approx(0.875)
-    assert s["out_of_domain"]["em"] == pytest.approx((1 + 0 + 0) / 3)
-    assert s["average"]["em"] == pytest.approx((1 + 1 + 0.5 + 0 + 0) / 5)  # a mean over sources, not questions
-    assert s["questions"] == {"em": pytest.approx(3 / 7), "f1": pytest.approx(3.7 / 7), "n": 7}
-    md = V.format_markdown(s, "m").splitlines()
-    assert md[0] == "| m | nq† | popqa* | hotpotqa† | bamboogle* | zeta* | in-domain avg | out-of-domain avg | avg |"
-    assert md[2] == "| EM | 1.000 | 1.000 | 0.500 | 0.000 | 0.000 | 0.750 | 0.333 | 0.500 |"
-    m = V.eval_metrics(s)
-    assert m["eval/em"] == pytest.approx(0.5) and m["eval/em/hotpotqa"] == 0.5 and m["eval/f1/bamboogle"] == 0.1
-
-
-def test_the_predictions_cache_drops_a_torn_line_and_refuses_another_evaluation(tmp_path):
-    meta = {"model": "m", "data": "d"}
-    cache = V.PredictionCache(str(tmp_path), meta)
-    cache.add([{"index": 0, "em": 1.0}, {"index": 1, "em": 0.0}])
-    with open(cache.path, "a") as f:
-        f.write('{"index": 2, "e')  # killed mid-write
-    again = V.PredictionCache(str(tmp_path), meta)
-    assert sorted(again.done) == [0, 1]
-    again.add([{"index": 2, "em": 1.0}])
-    assert [json.loads(x)["index"] for x in open(cache.path)] == [0, 1, 2]
-    with pytest.raises(E.ConfigError, match="model: 'm' -> 'other'"):
-        V.PredictionCache(str(tmp_path), {**meta, "model": "other"})
-    with open(cache.path, "w") as f:
-        f.write('{"index": 0}\nnot json\n{"index": 1}\n')
-    with pytest.raises(DataError, match="line 2"):
-        V.PredictionCache(str(tmp_path), meta)
-    assert sorted(V.PredictionCache(str(tmp_path), meta, fresh=True).done) == []
 
 
 # ---------------------------------------------------------------------- the command, scripted policy
@@ -193,7 +139,8 @@ def test_eval_on_a_seven_source_parquet_in_search_r1s_schema(toy, monkeypatch, t
     ood = [r["em"] for r in res["sources"] if not r["in_domain"]]
     assert res["out_of_domain"]["em"] == pytest.approx(sum(ood) / 5)
     head = open(tmp_path / "e" / "results.md").readline()
-    assert head.startswith("| model | nq† | triviaqa* | popqa* | hotpotqa† | 2wikimultihopqa* | musique* | bamboogle* |")
+    assert head.startswith("| model | nq† | triviaqa* | popqa* | hotpotqa† | 2wikimultihopqa* | musique* "
+                           "| bamboogle* |")
 
 
 def test_an_interrupted_eval_resumes_where_it_stopped(toy, monkeypatch, tmp_path):

@@ -53,7 +53,7 @@ def hf_model(folder):
 def trainer_policy(run, step=None):
     """The run's PolicyModel as the trainer builds it; with ``step``, its checkpoint loaded by the trainer's code."""
     from fastcredit.trainer import parts as C
-    from fastcredit.trainer.update import PolicyModel
+    from fastcredit.models.packed import PolicyModel
     from fastcredit.distributed.checkpoint import load_checkpoint
     from fastcredit.config import load_config
     from transformers import AutoTokenizer
@@ -191,7 +191,8 @@ def test_vllm_generates_what_transformers_generates(fsdp_run, tmp_path):
     out = export_checkpoint(fsdp_run, str(tmp_path / "hf"))
     prompt = IDS[0].tolist()
     with torch.no_grad():
-        hf = hf_model(out).generate(IDS, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, IDS.shape[1]:].tolist()
+        hf = hf_model(out).generate(IDS, max_new_tokens=12, do_sample=False,
+                                    min_new_tokens=12)[0, IDS.shape[1]:].tolist()
     script = ("import json, sys\n"
               "from vllm import LLM, SamplingParams\n"
               "from vllm.inputs import TokensPrompt\n"
@@ -258,7 +259,8 @@ def test_weights_that_do_not_fit_the_config_name_the_key(fsdp_run, tmp_path):
                                           "from config.yaml lacks"):
         export_checkpoint(str(run), str(tmp_path / "hf"))
     (run / "config.yaml").write_text(cfg.replace("tiny_layers: 2", "tiny_layers: 3"))
-    with pytest.raises(ExportError, match=r"has no model.layers.2.[\w.]+, which the policy built from config.yaml needs"):
+    with pytest.raises(ExportError, match=r"has no model.layers.2.[\w.]+, which the policy built "
+                                          "from config.yaml needs"):
         export_checkpoint(str(run), str(tmp_path / "hf"))
     assert not os.path.exists(tmp_path / "hf")
 

@@ -22,7 +22,8 @@ INDEX = "https://pypi.org/simple/"
 PLATFORMS = [f"manylinux_2_{v}_x86_64" for v in range(35, 4, -1)] + \
     ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64"]
 # CUDA runtime libraries: a -cu12 one beside torch's CUDA 13 would be a second runtime in the process.
-RUNTIME = re.compile(r"^nvidia-(cuda-runtime|cublas|cudnn|cufft|curand|cusolver|cusparse|nccl|nvjitlink|cuda-nvrtc)-cu(\d+)$")
+RUNTIME = re.compile(r"^nvidia-(cuda-runtime|cublas|cudnn|cufft|curand|cusolver|cusparse|nccl|nvjitlink|cuda-nvrtc)"
+                     r"-cu(\d+)$")
 
 
 def _pip(*args, timeout=600):

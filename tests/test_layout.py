@@ -6,6 +6,7 @@ included), so a cycle hidden behind a lazy import is found too.
 import ast
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -128,7 +129,7 @@ def test_every_module_imports_on_its_own():
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("fastcredit.") or m == "fastcredit"))
 def test_files_stay_small(module):
     lines = sum(1 for _ in open(MODULES[module], encoding="utf-8"))
-    assert lines <= 500, f"{MODULES[module]} has {lines} lines; split it along a seam (the layout keeps files under 500)"
+    assert lines <= 500, f"{MODULES[module]} has {lines} lines; split it where its jobs part (files stay under 500)"
 
 
 def test_models_losses_and_estimators_never_import_torch_distributed():
@@ -139,9 +140,92 @@ def test_models_losses_and_estimators_never_import_torch_distributed():
         assert not re.search(r"^\s*(import|from)\s+(torch\.distributed|deepspeed)\b", src, re.M), m
 
 
+def _room(module: str) -> str:
+    """The room a module lives in: ``fastcredit.<folder>`` (a top-level module is a room of its own)."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if parts[:2] == ["fastcredit", "kernels"] else ".".join(parts[:2])
+
+
+def test_rooms_import_one_way():
+    """Between the package's rooms (its folders and top-level modules) no circle either: a room that imports
+    another is never imported back by it, directly or around a loop (once judges <-> prm)."""
+    rooms = {}
+    for m, deps in GRAPH.items():
+        rooms.setdefault(_room(m), set()).update(_room(d) for d in deps if _room(d) != _room(m))
+    assert _cycles(rooms) == []
+
+
+def _private_names(module: str, path: str) -> list:
+    """``file:line name`` of every underscore name ``module`` takes from another fastcredit module."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    aliases, found = {}, []
+    for node in ast.walk(tree):  # module objects bound by `import fastcredit.x as y` / `from fastcredit import x`
+        if isinstance(node, ast.Import):
+            aliases.update({a.asname or a.name: a.name for a in node.names if a.name in MODULES})
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            aliases.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names
+                            if f"{node.module}.{a.name}" in MODULES})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = node.module or ""
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            source, names = aliases[node.value.id], [node.attr]
+        else:
+            continue
+        if not (source.startswith("fastcredit") or getattr(node, "level", 0)):
+            continue
+        found += [f"{os.path.relpath(path, ROOT)}:{node.lineno} {n}" for n in names
+                  if n.startswith("_") and not n.startswith("__") and f"{source}.{n}" not in MODULES]
+    return found
+
+
+def test_no_module_takes_another_modules_private_names():
+    hits = [h for m, p in MODULES.items() for h in _private_names(m, p)]
+    assert hits == []
+
+
+def test_the_private_name_reader_finds_both_forms(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("from fastcredit.trainer.parts import _x, y\nimport fastcredit.runtime.tracking as t\nt._z()\n")
+    assert [h.split()[-1] for h in _private_names("m", str(src))] == ["_x", "_z"]
+
+
+def test_the_old_public_paths_still_import():
+    """Names users import in scripts keep their paths across the move into rooms; the trainer package still loads
+    no torch until its Trainer is asked for."""
+    code = ("import sys, fastcredit.trainer; assert 'torch' not in sys.modules; "
+            "from fastcredit.trainer import Trainer, CollapseError; "
+            "from fastcredit.config import TrainConfig, load_config; "
+            "from fastcredit.credit import compute_advantages, CreditInputs; "
+            "from fastcredit.credit.registry import register_estimator, estimator_needs, get_estimator; "
+            "assert Trainer.__module__ == 'fastcredit.trainer.loop' and issubclass(CollapseError, RuntimeError)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_top_level_holds_commands_only():
+    """Every module at the package's top level runs as ``python -m fastcredit.<name>`` (the build and extension
+    helpers aside); the library lives in rooms."""
+    top = [m for m in MODULES if m.count(".") == 1 and m.split(".")[1] not in ("_build", "_ext", "kernels")]
+    not_commands = [m for m in top if os.path.basename(MODULES[m]) != "__init__.py"
+                    and 'if __name__ == "__main__":' not in open(MODULES[m], encoding="utf-8").read()]
+    assert top and not_commands == []
+
+
+def test_the_linter_passes():
+    """ruff (ruff.toml: pycodestyle with lines under 120 characters, pyflakes) over the package, kernels, bench
+    and tests; `make test` runs it first."""
+    ruff = shutil.which("ruff", path=os.path.dirname(sys.executable)) or shutil.which("ruff")
+    assert ruff is not None, "ruff is not installed: it is in the dev extra (pip install -e '.[cpu,dev]')"
+    proc = subprocess.run([ruff, "check", "--no-cache", "."], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+
+
 def _tracked_text_files() -> list:
     out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], capture_output=True, text=True, cwd=ROOT)
-    return [f for f in out.stdout.split() if f.endswith((".py", ".md", ".yaml", ".cu", ".cpp", ".h")) or f == "Makefile"]
+    return [f for f in out.stdout.split()
+            if f.endswith((".py", ".md", ".yaml", ".cu", ".cpp", ".h")) or f == "Makefile"]
 
 
 def test_nothing_cites_a_file_outside_the_repository():
@@ -163,15 +247,108 @@ def test_citations_of_docs_methods_name_existing_sections():
     assert cited and cited <= sections, cited - sections
 
 
-def test_the_readme_tree_names_every_module():
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    tree = readme[readme.index("## The files"):]
-    tree = tree[: tree.index("\n## ", 4)]
-    missing = []
-    for m, path in MODULES.items():
-        rel = os.path.relpath(path, ROOT)
-        if rel.endswith("__init__.py"):
-            continue
-        if os.path.basename(rel) not in tree:
-            missing.append(rel)
-    assert missing == []
+README = os.path.join(ROOT, "README.md")
+LAYOUT = os.path.join(ROOT, "docs", "layout.md")
+
+
+def _tree(text: str) -> dict:
+    """``{path: description}`` of the tree in docs/layout.md: the ```text block under "## The tree".
+
+    One entry a line: two spaces of indent per level below the folder above, then the name (a folder's
+    ends in ``/``), then its description.
+    """
+    block = text[re.search(r"^## The tree$", text, re.MULTILINE).end():]
+    block = block[block.index("```text\n") + len("```text\n"):]
+    entries, folders = {}, []
+    for n, line in enumerate(block[: block.index("```")].splitlines(), 1):
+        indent = len(line) - len(line.lstrip(" "))
+        assert indent % 2 == 0 and indent // 2 <= len(folders), f"tree line {n} is indented under no folder: {line!r}"
+        del folders[indent // 2:]
+        name, _, description = line.strip().partition(" ")
+        entries["".join(folders) + name] = description.strip()
+        if name.endswith("/"):
+            folders.append(name)
+    return entries
+
+
+def test_the_tree_reader_reads_nesting():
+    sample = "## The tree\n\n```text\na/    top\n  b.py  one\n  c/    two\n    d.py\n  e.md  three\nf     four\n```\n"
+    assert _tree(sample) == {"a/": "top", "a/b.py": "one", "a/c/": "two", "a/c/d.py": "", "a/e.md": "three",
+                             "f": "four"}
+    with pytest.raises(AssertionError, match="indented under no folder"):
+        _tree("## The tree\n```text\na.py  x\n    b.py  y\n```\n")
+
+
+def test_the_layout_tree_names_every_module_and_nothing_else():
+    """docs/layout.md's tree can neither miss a module of fastcredit/ or kernels/ nor name a file that is not there."""
+    tree = _tree(open(LAYOUT, encoding="utf-8").read())
+    assert "fastcredit/trainer/memory/gpu.py" in tree and "kernels/turn_surrogate/naive.py" in tree
+    missing = sorted(rel for rel in (os.path.relpath(p, ROOT) for p in MODULES.values())
+                     if os.path.basename(rel) != "__init__.py" and rel not in tree)
+    invented = sorted(path for path in tree if not os.path.exists(os.path.join(ROOT, path)))
+    unexplained = sorted(path for path, description in tree.items() if not description)
+    assert missing == [], f"modules docs/layout.md's tree does not name: {missing}"
+    assert invented == [], f"docs/layout.md's tree names what is not there: {invented}"
+    assert unexplained == [], f"tree entries without their line of description: {unexplained}"
+
+
+def test_the_readme_is_a_front_door():
+    """Short (the annotated tree, results and checklists live in docs/), and both commands on its first screen."""
+    lines = open(README, encoding="utf-8").read().splitlines()
+    assert len(lines) < 250, f"README.md has {len(lines)} lines; move the detail into docs/"
+    head = "\n".join(lines[:20])
+    assert re.search(r"^ {4}make demo\b", head, re.M) and re.search(r"^ {4}make test\b", head, re.M)
+
+
+def _commands() -> set:
+    """Every ``python -m`` command of the package: a module run as ``__main__``, or a package's ``__main__.py``."""
+    out = set()
+    for module, path in MODULES.items():
+        if path.endswith("__main__.py"):
+            out.add(module.rsplit(".", 1)[0])
+        elif re.search(r"^if __name__ == .__main__.:", open(path, encoding="utf-8").read(), re.M):
+            out.add(module)
+    return out
+
+
+def test_the_readme_lists_every_command_and_make_target():
+    readme = open(README, encoding="utf-8").read()
+    table = readme[readme.index("\n## Commands"):]
+    table = table[: table.index("\n## ", 4)]
+    named = set(re.findall(r"^\| `python -m (fastcredit[\w.]*)[` ]", table, re.M))
+    assert {"fastcredit.train", "fastcredit.compare"} <= _commands()
+    assert named == _commands()
+    phony = re.search(r"^\.PHONY:(.*)$", open(os.path.join(ROOT, "Makefile"), encoding="utf-8").read(), re.M)
+    assert set(phony.group(1).split()) == set(re.findall(r"^\| `make ([\w-]+)`", table, re.M))
+
+
+def _anchors(path: str) -> set:
+    """GitHub's heading anchors of a markdown file (headings inside fenced code ignored; repeats get -1, -2, ...)."""
+    out, fenced = set(), False
+    for line in open(path, encoding="utf-8"):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            n = 0
+            while (slug if n == 0 else f"{slug}-{n}") in out:
+                n += 1
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_relative_links_in_the_readme_and_docs_resolve():
+    docs = os.path.join(ROOT, "docs")
+    pages = [README] + sorted(os.path.join(docs, f) for f in os.listdir(docs) if f.endswith(".md"))
+    broken, checked = [], 0
+    for page in pages:
+        text = re.sub(r"^```.*?^```", "", open(page, encoding="utf-8").read(), flags=re.M | re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            checked += 1
+            if not os.path.exists(file) or (anchor and file.endswith(".md") and anchor not in _anchors(file)):
+                broken.append(f"{os.path.relpath(page, ROOT)}: {target}")
+    assert checked >= 20 and broken == []

@@ -110,7 +110,7 @@ def test_qwen_plans_on_8_x_80_gib_match_the_hand_computation(size, across):
     assert plan.ok
     if across == "shard":
         assert plan.problems == [] and any("split over the 8 ranks" in n for n in plan.notes)
-    elif size == "3B":  # the figures the README quotes
+    elif size == "3B":  # the figures docs/gpu.md quotes
         assert round(plan.total("train") / GIB, 1) == 45.8 and util == 0.57
         assert plan.problems == []
     else:
@@ -225,8 +225,8 @@ def test_the_report_loads_nothing():
             f"rc = main(['--config', {CRITIC!r}, '--memory-report', '--gpu-gib', '80', '--gpus', '8', "
             "'--host-gib', '1024'])\n"
             "import torch.distributed as dist\n"
-            "heavy = [m for m in ('fastcredit.trainer.loop', 'fastcredit.trainer.parts', 'vllm', 'transformers', 'faiss',"
-            " 'fastcredit.retrieval.indexes') if m in sys.modules]\n"
+            "heavy = [m for m in ('fastcredit.trainer.loop', 'fastcredit.trainer.parts', 'vllm', 'transformers',"
+            " 'faiss', 'fastcredit.retrieval.indexes') if m in sys.modules]\n"
             "print('RESULT', rc, heavy, dist.is_initialized(), round(time.time() - t, 1))\n")
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,

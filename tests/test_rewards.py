@@ -106,7 +106,8 @@ def test_format_over_text_ignores_observations():
         "<think>a</think><search>q1</search>\n\n<information>Doc 1(Title: X) <answer>no</answer></information>\n\n"
         "<think>b</think><answer>Paris</answer>"
     )
-    assert split_actions(text) == ["<think>a</think><search>q1</search>", "\n\n\n\n<think>b</think><answer>Paris</answer>"]
+    assert split_actions(text) == ["<think>a</think><search>q1</search>",
+                                   "\n\n\n\n<think>b</think><answer>Paris</answer>"]
     assert format_ok(text)
     assert not format_ok("<search>q</search> <answer>a</answer> <answer>b</answer>")
 

@@ -1,4 +1,7 @@
-"""``python -m fastcredit.compare``: the methods comparison (``fastcredit.compare.runs``, its docstring has the usage)."""
+"""``python -m fastcredit.compare``: the methods comparison.
+
+The usage is in ``fastcredit.compare.runs``'s docstring (what ``--help`` prints).
+"""
 import sys
 
 from fastcredit.compare.runs import main

@@ -57,7 +57,8 @@ def summarize_run(rows: list[dict]) -> dict:
             against.append(float(r["credit/against_outcome_frac"]))
         if "reward" in r:  # a training step's line
             steps = max(steps, step)
-            calls.append(sum(float(v) for k, v in r.items() if k.endswith("/requests") or k == "proceed/critiqued_steps"))
+            calls.append(sum(float(v) for k, v in r.items()
+                             if k.endswith("/requests") or k == "proceed/critiqued_steps"))
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     return {"eval_em": {str(k): em[k] for k in sorted(em)}, "steps": steps, "seconds_per_step": mean(secs),
             "judge_calls_per_step": mean(calls) or 0.0, "against_outcome_frac": mean(against)}
@@ -142,7 +143,8 @@ def format_markdown(summary: dict, device: str, name: str) -> str:
              "s / step | judge calls / step |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, t in summary["methods"].items():
         lines.append(f"| {label} | {len(t['seeds'])} | {t['start_em']:.3f} | "
-                     f"{_pm(t['final_em'], t['final_em_ci95'], '.3f')} | {_pm(t['vs_grpo'], t['vs_grpo_ci95'], '+.3f')} | "
+                     f"{_pm(t['final_em'], t['final_em_ci95'], '.3f')} | "
+                     f"{_pm(t['vs_grpo'], t['vs_grpo_ci95'], '+.3f')} | "
                      f"{_fmt(t['steps_to_threshold'], '.0f')} ({t['reached_threshold']}) | "
                      f"{_fmt(t['against_outcome_frac'], '.3f')} | "
                      f"{_fmt(t['seconds_per_step'], '.1f')} | {t['judge_calls_per_step']:.0f} |")

@@ -1,6 +1,7 @@
 """Every method from the same warm start, several seeds, one table: the papers' claim at toy scale.
 
-    python -m fastcredit.compare --config configs/compare.yaml --methods grpo,ppo,criticsearch,cwgrpo,proceed,pica --seeds 3
+    python -m fastcredit.compare --config configs/compare.yaml --seeds 3 \\
+        --methods grpo,ppo,criticsearch,cwgrpo,proceed,pica
     python -m fastcredit.compare --config configs/compare.yaml --quick          # 1 seed, half the steps
     python -m fastcredit.compare --config configs/compare.yaml --jobs 2        # two runs side by side
     nohup python -m fastcredit.compare --config configs/compare.yaml > runs/compare.log 2>&1 &   # in the background
@@ -71,7 +72,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--jobs", type=int, default=1,
                    help="runs at a time once the warm start is made, each with cores/jobs torch threads (seconds per "
                         "step are then measured side by side)")
-    p.add_argument("--runs", default=None, help="folder of the runs (default: runs/<run_name>, runs/<run_name>_quick with --quick); "
+    p.add_argument("--runs", default=None,
+                   help="folder of the runs (default: runs/<run_name>, runs/<run_name>_quick with --quick); "
                         "a run kept there must have been made with the settings this command gives it")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="where the report goes")
     p.add_argument("--threshold", type=float, default=None,
@@ -188,7 +190,8 @@ class _Run:
             with open(result + ".tmp", "w", encoding="utf-8") as fh:
                 json.dump(summary, fh, indent=1)
             os.replace(result + ".tmp", result)
-            print(f"{self.tag} {self.label} seed {self.seed}: held-out EM {summary['eval_em'].get(str(summary['steps']))}"
+            print(f"{self.tag} {self.label} seed {self.seed}: "
+                  f"held-out EM {summary['eval_em'].get(str(summary['steps']))}"
                   f" after {summary['steps']} steps, {time.time() - self.t0:.0f} s", flush=True)
         return rc
 
@@ -280,7 +283,8 @@ def runs_lock(runs: str):
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fh.seek(0)
-            raise ConfigError(f"{runs} is in use by another python -m fastcredit.compare ({fh.read().strip() or 'pid ?'}); "
+            raise ConfigError(f"{runs} is in use by another python -m fastcredit.compare "
+                              f"({fh.read().strip() or 'pid ?'}); "
                               f"wait for it, or give this one another --runs folder") from None
         fh.seek(0)
         fh.truncate()

@@ -3,14 +3,15 @@
     from fastcredit.config import TrainConfig, load_config
     cfg = load_config("configs/criticsearch.yaml", ["credit.estimator=cwgrpo"])
 
-Sections are declared in ``schema`` (and ``credit``, ``loss``, ``toy``), loaded by ``load``,
-checked by ``checks``; ``aliases`` maps veRL / Search-R1 keys, ``help`` prints ``--help``.
-This package imports nothing else of fastcredit, so every command can read its config first.
+Sections are declared in ``schema`` (and ``credit``, ``loss``, ``toy``), each field with its help
+and, for a number, its range (``fields.opt``, ``ranges``); loaded by ``load``, checked by ``checks``;
+``aliases`` maps veRL / Search-R1 keys, ``help`` prints ``--help``. This package imports nothing
+else of fastcredit, so every command can read its config first; what the chosen estimator needs
+is checked by ``fastcredit.credit.needs``.
 """
-from fastcredit.config.checks import ConfigError, ConfigPathError
 from fastcredit.config.credit import CreditConfig
-from fastcredit.config.load import (all_keys, dump_yaml, load_config, parse_cli, save_config, to_dict,
-                                    validate)
+from fastcredit.config.errors import ConfigError, ConfigPathError
+from fastcredit.config.load import all_keys, dump_yaml, load_config, parse_cli, save_config, to_dict, validate
 from fastcredit.config.loss import LossConfig
 from fastcredit.config.schema import (DataConfig, DistributedConfig, EvalConfig, GuardConfig, JudgesConfig,
                                       LoggingConfig, ModelConfig, OptimConfig, ProceedRolloutConfig,

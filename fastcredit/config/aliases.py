@@ -29,57 +29,77 @@ ALIASES: dict[str, tuple[Optional[str], str]] = {
     "data.val_files": ("data.test_path", "the evaluation parquet"),
     "data.train_data_num": (None, "give a smaller training file instead"),
     "data.val_data_num": ("eval.questions", "held-out questions scored (0: no evaluation)"),
-    "data.train_batch_size": ("optim.batch_prompts", "prompts per step in both; each prompt is sampled rollout.n_samples times"),
+    "data.train_batch_size": ("optim.batch_prompts", "prompts per step in both; each prompt is "
+                                                     "sampled rollout.n_samples times"),
     "data.val_batch_size": (None, "the rollout engine batches evaluation prompts itself"),
     "data.max_prompt_length": ("rollout.max_response_tokens", _CTX),
     "data.max_response_length": ("rollout.max_action_tokens", "tokens one generation call (one action) may produce"),
     "data.max_obs_length": ("rollout.max_obs_tokens", "cap on one observation's tokens"),
-    "data.max_start_length": ("data.max_prompt_tokens", "Search-R1 keeps the last max_start_length prompt tokens; fastcredit drops a longer prompt with a warning"),
+    "data.max_start_length": ("data.max_prompt_tokens", "Search-R1 keeps the last max_start_length prompt tokens; "
+                                                        "fastcredit drops a longer prompt with a warning"),
     "data.shuffle_train_dataloader": ("data.shuffle", "reshuffle the training set every pass"),
     # the policy
-    "actor_rollout_ref.model.path": ("model.policy", "a local folder; the reference policy starts from the same weights"),
-    "actor_rollout_ref.model.enable_gradient_checkpointing": ("distributed.activation_checkpointing", "recompute decoder layers in backward"),
+    "actor_rollout_ref.model.path": ("model.policy", "a local folder; the reference policy "
+                                                     "starts from the same weights"),
+    "actor_rollout_ref.model.enable_gradient_checkpointing": (
+        "distributed.activation_checkpointing", "recompute decoder layers in backward"),
     "actor_rollout_ref.model.use_remove_padding": (None, "fastcredit always packs sequences without padding"),
     "actor_rollout_ref.actor.optim.lr": ("optim.lr", "policy learning rate"),
-    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": ("optim.warmup_ratio", "veRL steps its scheduler once per training step, fastcredit once per optimizer step over total_steps x updates per step: the same fraction of training"),
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": (
+        "optim.warmup_ratio", "veRL steps its scheduler once per training step, fastcredit once per optimizer step "
+                              "over total_steps x updates per step: the same fraction of training"),
     "actor_rollout_ref.actor.optim.warmup_style": ("optim.schedule", "'constant' in both; 'cosine' also exists here"),
     "actor_rollout_ref.actor.optim.weight_decay": ("optim.weight_decay", "AdamW weight decay (0.01 in both)"),
     "actor_rollout_ref.actor.optim.betas": ("optim.betas", "AdamW betas"),
     "actor_rollout_ref.actor.ppo_mini_batch_size": ("optim.mini_batch_prompts", _MINI),
     "actor_rollout_ref.actor.ppo_micro_batch_size": ("optim.micro_batch_tokens", _MICRO),
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": ("optim.micro_batch_tokens", _MICRO),
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": ("optim.micro_batch_tokens", "tokens per rank and micro-batch, as veRL's dynamic batch size"),
-    "actor_rollout_ref.actor.use_dynamic_bsz": (None, "always on: micro-batches are packed by optim.micro_batch_tokens"),
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": (
+        "optim.micro_batch_tokens", "tokens per rank and micro-batch, as veRL's dynamic batch size"),
+    "actor_rollout_ref.actor.use_dynamic_bsz": (None, "always on: micro-batches are packed by "
+                                                      "optim.micro_batch_tokens"),
     "actor_rollout_ref.actor.ppo_epochs": ("optim.ppo_epochs", "passes over each step's data"),
     "actor_rollout_ref.actor.shuffle": (None, "mini-batches keep whole groups in rollout order"),
-    "actor_rollout_ref.actor.grad_clip": ("optim.grad_clip", "max global gradient norm (one value for policy and value model)"),
-    "actor_rollout_ref.actor.clip_ratio": ("loss.clip_low", "veRL's symmetric clip: set loss.clip_low and loss.clip_high both"),
+    "actor_rollout_ref.actor.grad_clip": (
+        "optim.grad_clip", "max global gradient norm (one value for policy and value model)"),
+    "actor_rollout_ref.actor.clip_ratio": (
+        "loss.clip_low", "veRL's symmetric clip: set loss.clip_low and loss.clip_high both"),
     "actor_rollout_ref.actor.clip_ratio_low": ("loss.clip_low", "ratio lower clip 1 - clip_low"),
     "actor_rollout_ref.actor.clip_ratio_high": ("loss.clip_high", "ratio upper clip 1 + clip_high"),
     "actor_rollout_ref.actor.clip_ratio_c": ("loss.dual_clip", "dual-clip constant for negative advantages"),
     "actor_rollout_ref.actor.entropy_coeff": ("loss.entropy_coef", "defaults differ: veRL 0.001, fastcredit 0"),
-    "actor_rollout_ref.actor.use_kl_loss": ("loss.kl_coef", "true: KL in the loss, loss.kl_coef = kl_loss_coef; false: loss.kl_coef = 0 and the KL goes into the reward, credit.kl_in_reward = algorithm.kl_ctrl.kl_coef"),
+    "actor_rollout_ref.actor.use_kl_loss": (
+        "loss.kl_coef", "true: KL in the loss, loss.kl_coef = kl_loss_coef; false: loss.kl_coef = 0 and the KL goes "
+                        "into the reward, credit.kl_in_reward = algorithm.kl_ctrl.kl_coef"),
     "actor_rollout_ref.actor.kl_loss_coef": ("loss.kl_coef", "beta of the KL in the loss (when use_kl_loss=true)"),
-    "actor_rollout_ref.actor.kl_loss_type": (None, "the loss KL is always k3, veRL's 'low_var_kl', clamped to +-loss.kl_clamp"),
-    "actor_rollout_ref.actor.loss_agg_mode": ("loss.agg_mode", "same names; Search-R1's fork averages tokens per micro-batch (close to token-mean)"),
+    "actor_rollout_ref.actor.kl_loss_type": (None, "the loss KL is always k3, veRL's 'low_var_kl', "
+                                                   "clamped to +-loss.kl_clamp"),
+    "actor_rollout_ref.actor.loss_agg_mode": (
+        "loss.agg_mode", "same names; Search-R1's fork averages tokens per micro-batch (close to token-mean)"),
     "actor_rollout_ref.actor.state_masking": (None, "always on: observation tokens never count in the loss"),
     "actor_rollout_ref.actor.fsdp_config.param_offload": ("distributed.cpu_offload", _OFFLOAD),
     "actor_rollout_ref.actor.fsdp_config.grad_offload": ("distributed.cpu_offload", _OFFLOAD),
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload": ("distributed.cpu_offload", _OFFLOAD),
-    "actor_rollout_ref.ref.fsdp_config.param_offload": (None, "the frozen reference policy is placed like the policy; no switch of its own"),
+    "actor_rollout_ref.ref.fsdp_config.param_offload": (
+        None, "the frozen reference policy is placed like the policy; no switch of its own"),
     "actor_rollout_ref.ref.log_prob_micro_batch_size": ("optim.micro_batch_tokens", _MICRO),
     # the rollout
     "actor_rollout_ref.rollout.name": ("rollout.engine", "vllm or hf"),
-    "actor_rollout_ref.rollout.n_agent": ("rollout.n_samples", "Search-R1's group size G (it repeats each prompt n_agent times)"),
-    "actor_rollout_ref.rollout.n": ("rollout.n_samples", "upstream veRL's group size; Search-R1 keeps it at 1 and uses n_agent"),
+    "actor_rollout_ref.rollout.n_agent": (
+        "rollout.n_samples", "Search-R1's group size G (it repeats each prompt n_agent times)"),
+    "actor_rollout_ref.rollout.n": (
+        "rollout.n_samples", "upstream veRL's group size; Search-R1 keeps it at 1 and uses n_agent"),
     "actor_rollout_ref.rollout.temperature": ("rollout.temperature", "sampling temperature"),
     "actor_rollout_ref.rollout.top_p": ("rollout.top_p", "defaults differ: veRL 0.95, fastcredit 1.0"),
     "actor_rollout_ref.rollout.top_k": ("rollout.top_k", "-1: off"),
-    "actor_rollout_ref.rollout.gpu_memory_utilization": ("rollout.gpu_memory_utilization", "fastcredit's 0 sizes it from what is free"),
+    "actor_rollout_ref.rollout.gpu_memory_utilization": (
+        "rollout.gpu_memory_utilization", "fastcredit's 0 sizes it from what is free"),
     "actor_rollout_ref.rollout.tensor_model_parallel_size": ("rollout.tensor_parallel", "vLLM tensor parallel size"),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size": ("optim.micro_batch_tokens", _MICRO),
-    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": ("rollout.max_turns", "counts every assistant turn, the answer included: the same unit"),
-    "max_turns": ("rollout.max_turns", "Search-R1 runs max_turns search-capable turns, then one answer-only generation: its max_turns = k is rollout.max_turns = k + 1"),
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": (
+        "rollout.max_turns", "counts every assistant turn, the answer included: the same unit"),
+    "max_turns": ("rollout.max_turns", "Search-R1 runs max_turns search-capable turns, then one answer-only "
+                                       "generation: its max_turns = k is rollout.max_turns = k + 1"),
     "do_search": (None, "always on; a model that never searches answers on its first turn"),
     "retriever.url": ("retrieval.url", "with retrieval.backend=http (a Search-R1 /retrieve server)"),
     "retriever.topk": ("retrieval.topk", "passages per search"),
@@ -90,7 +110,8 @@ ALIASES: dict[str, tuple[Optional[str], str]] = {
     "critic.ppo_micro_batch_size": ("optim.micro_batch_tokens", _MICRO),
     "critic.cliprange_value": ("loss.value_clip", "defaults differ: veRL 0.5, fastcredit 0.2"),
     "critic.grad_clip": ("optim.grad_clip", "one value for policy and value model"),
-    "critic.model.enable_gradient_checkpointing": ("distributed.activation_checkpointing", "one switch for both models"),
+    "critic.model.enable_gradient_checkpointing": (
+        "distributed.activation_checkpointing", "one switch for both models"),
     "critic.model.fsdp_config.param_offload": ("distributed.cpu_offload", _OFFLOAD),
     "critic.model.fsdp_config.grad_offload": ("distributed.cpu_offload", _OFFLOAD),
     "critic.model.fsdp_config.optimizer_offload": ("distributed.cpu_offload", _OFFLOAD),
@@ -98,14 +119,19 @@ ALIASES: dict[str, tuple[Optional[str], str]] = {
     "algorithm.adv_estimator": ("credit.estimator", "gae is ppo (or pica), grpo is grpo"),
     "algorithm.gamma": ("credit.gamma", "GAE discount"),
     "algorithm.lam": ("credit.lam", "GAE lambda"),
-    "algorithm.kl_ctrl.kl_coef": ("credit.kl_in_reward", "beta of the per-token k1 KL in the reward; veRL applies it only when use_kl_loss=false"),
+    "algorithm.kl_ctrl.kl_coef": (
+        "credit.kl_in_reward", "beta of the per-token k1 KL in the reward; veRL applies it "
+                               "only when use_kl_loss=false"),
     "algorithm.kl_ctrl.type": (None, "fixed only: no adaptive KL controller"),
     "algorithm.kl_penalty": (None, "the KL in the reward is always veRL's 'kl' (k1): logp_old - logp_ref"),
     "algorithm.use_kl_in_reward": ("credit.kl_in_reward", "newer veRL's switch: false is credit.kl_in_reward = 0"),
     "algorithm.norm_adv_by_std_in_grpo": ("credit.norm_by_std", "false: Dr. GRPO"),
     "algorithm.no_think_rl": (None, "not implemented"),
-    "reward_model.structure_format_score": ("credit.lambda_f", "with credit.reward=criticsearch (1, 1 - lambda_f, lambda_f, 0: Search-R1 v0.3's format reward)"),
-    "reward_model.final_format_score": (None, "Search-R1 v0.3's score of a wrong, ill-formatted answer; not implemented"),
+    "reward_model.structure_format_score": (
+        "credit.lambda_f", "with credit.reward=criticsearch (1, 1 - lambda_f, lambda_f, 0: "
+                           "Search-R1 v0.3's format reward)"),
+    "reward_model.final_format_score": (None, "Search-R1 v0.3's score of a wrong, "
+                                              "ill-formatted answer; not implemented"),
     "reward_model.retrieval_score": (None, "Search-R1 v0.3's bonus for retrieving the gold answer; not implemented"),
     # the trainer
     "trainer.total_training_steps": ("optim.total_steps", "training steps"),

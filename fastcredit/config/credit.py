@@ -15,40 +15,50 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from fastcredit.config.fields import opt
+from fastcredit.config.fields import COUNT, NONNEG, POS, UNIT, opt
 
 
 @dataclass
 class CriticConfig:
-    retries: int = opt(2, "re-ask the critic this many times when its answer cannot be parsed or has the wrong count")
-    on_failure: Literal["outcome", "skip"] = opt("outcome", "after the retries: 'outcome' labels every search turn with EM, 'skip' gives the trajectory A^a = 0")
+    retries: int = opt(2, "re-ask the critic this many times when its answer cannot be parsed or has the wrong count",
+                       range=NONNEG)
+    on_failure: Literal["outcome", "skip"] = opt(
+        "outcome", "after the retries: 'outcome' labels every search turn with EM, 'skip' "
+                   "gives the trajectory A^a = 0")
 
 
 @dataclass
 class CriticSearchConfig:
-    alpha: float = opt(0.25, "Eq. 8 mix: alpha * turn advantage + (1 - alpha) * group advantage")
-    eps_c: float = opt(1e-6, "Eq. 7 denominator epsilon")
+    alpha: float = opt(0.25, "Eq. 8 mix: alpha * turn advantage + (1 - alpha) * group advantage", range=UNIT)
+    eps_c: float = opt(1e-6, "Eq. 7 denominator epsilon", range=POS)
     gold_answer: bool = opt(True, "show the critic the gold answers (false: the paper's 'NG' ablation)")
 
 
 @dataclass
 class CWGRPOConfig:
-    alpha: float = opt(math.inf, "softmax temperature of contribution weights (Eq. 3); inf: p / sum p")
-    all_zero: Literal["uniform", "zero"] = opt("uniform", "alpha = inf and every p = 0 in a success: uniform weights (paper) or zero (released code)")
-    success_by: Literal["reward", "advantage"] = opt("reward", "success means R_i = 1 (paper) or A^_i >= 0 (released code)")
+    alpha: float = opt(math.inf, "softmax temperature of contribution weights (Eq. 3); inf: p / sum p",
+                       range="[0, inf]", note="inf: p / sum p")
+    all_zero: Literal["uniform", "zero"] = opt(
+        "uniform", "alpha = inf and every p = 0 in a success: uniform weights (paper) or zero (released code)")
+    success_by: Literal["reward", "advantage"] = opt(
+        "reward", "success means R_i = 1 (paper) or A^_i >= 0 (released code)")
 
 
 @dataclass
 class PiCAConfig:
-    step_reward: Literal["log_ratio", "linear"] = opt("log_ratio", "log f(t) - log f(t-1) (paper) or 1 - h_t - b (released code)")
-    gae_level: Literal["token", "turn"] = opt("token", "GAE over action tokens, or over turns with values at turn boundaries (Eq. 13)")
-    s_step: float = opt(0.3, "scale of step rewards")
-    s_out: float = opt(1.5, "scale of the outcome reward")
-    lambda_p: float = opt(0.3, "step penalty lambda_p (Eq. 11)")
-    alpha_p: float = opt(1.5, "step penalty growth alpha_p (Eq. 11)")
-    penalty_from_turn: int = opt(3, "first turn t that pays the step penalty lambda_p * alpha_p^(t - penalty_from_turn)")
-    hazard_bias: float = opt(0.55, "b of the linear reward 1 - h_t - b")
-    f_clamp: float = opt(1e-4, "f is clamped to [f_clamp, 1 - f_clamp] before the log")
+    step_reward: Literal["log_ratio", "linear"] = opt(
+        "log_ratio", "log f(t) - log f(t-1) (paper) or 1 - h_t - b (released code)")
+    gae_level: Literal["token", "turn"] = opt("token", "GAE over action tokens, or over turns with values at "
+                                                       "turn boundaries (Eq. 13)")
+    s_step: float = opt(0.3, "scale of step rewards", range=NONNEG)
+    s_out: float = opt(1.5, "scale of the outcome reward", range=NONNEG)
+    lambda_p: float = opt(0.3, "step penalty lambda_p (Eq. 11)", range=NONNEG)
+    alpha_p: float = opt(1.5, "step penalty growth alpha_p (Eq. 11)", range=POS)
+    penalty_from_turn: int = opt(3, "first turn t that pays the step penalty lambda_p * "
+                                    "alpha_p^(t - penalty_from_turn)", range=COUNT, note="turns count from 1")
+    hazard_bias: float = opt(0.55, "b of the linear reward 1 - h_t - b", range=UNIT)
+    f_clamp: float = opt(1e-4, "f is clamped to [f_clamp, 1 - f_clamp] before the log",
+                         range="(0, 0.5)", note="f is clamped to [f_clamp, 1 - f_clamp] before the log")
 
 
 @dataclass
@@ -61,21 +71,26 @@ class ProceedConfig:
 @dataclass
 class DynamicSamplingConfig:
     enabled: bool = opt(False, "DAPO: drop groups whose rewards are all equal and refill with new prompts")
-    max_refill_rounds: int = opt(3, "extra sampling rounds to refill dropped groups before training on fewer")
+    max_refill_rounds: int = opt(3, "extra sampling rounds to refill dropped groups before training on fewer",
+                                 range=NONNEG)
 
 
 @dataclass
 class CreditConfig:
-    estimator: Literal["grpo", "ppo", "criticsearch", "cwgrpo", "proceed", "pica"] = opt("grpo", "advantage estimator (docs/methods.md sections 1-6)")
-    reward: Literal["criticsearch", "em", "f1", "f1_format"] = opt("criticsearch", "outcome reward: CriticSearch Eq. 4, plain EM, F1, or F1 + format (PiCA)")
-    lambda_f: float = opt(0.2, "format weight of CriticSearch Eq. 4")
-    format_bonus: float = opt(0.2, "format reward added to F1 by the f1_format reward")
+    estimator: Literal["grpo", "ppo", "criticsearch", "cwgrpo", "proceed", "pica"] = opt(
+        "grpo", "advantage estimator (docs/methods.md sections 1-6)")
+    reward: Literal["criticsearch", "em", "f1", "f1_format"] = opt(
+        "criticsearch", "outcome reward: CriticSearch Eq. 4, plain EM, F1, or F1 + format (PiCA)")
+    lambda_f: float = opt(0.2, "format weight of CriticSearch Eq. 4", range=UNIT)
+    format_bonus: float = opt(0.2, "format reward added to F1 by the f1_format reward", range=NONNEG)
     norm_by_std: bool = opt(True, "divide group advantages by the group's std (false: Dr. GRPO)")
-    eps: float = opt(1e-6, "epsilon of the group std")
-    gamma: float = opt(1.0, "GAE discount (ppo, pica)")
-    lam: float = opt(1.0, "GAE lambda (ppo, pica)")
-    whiten_advantages: bool = opt(False, "ppo / pica: whiten GAE advantages over the batch's action tokens, as veRL's GAE does")
-    kl_in_reward: float = opt(0.0, "beta of a per-token -beta * KL reward (ppo, pica); 0 keeps KL in the loss only")
+    eps: float = opt(1e-6, "epsilon of the group std", range=POS, note="0 divides by zero in a group of equal rewards")
+    gamma: float = opt(1.0, "GAE discount (ppo, pica)", range=UNIT)
+    lam: float = opt(1.0, "GAE lambda (ppo, pica)", range=UNIT)
+    whiten_advantages: bool = opt(False, "ppo / pica: whiten GAE advantages over the batch's action "
+                                         "tokens, as veRL's GAE does")
+    kl_in_reward: float = opt(0.0, "beta of a per-token -beta * KL reward (ppo, pica); 0 keeps KL in the loss only",
+                              range=NONNEG)
     critic: CriticConfig = opt(CriticConfig, "critic / judge failure policy")
     criticsearch: CriticSearchConfig = opt(CriticSearchConfig, "CriticSearch switches")
     cwgrpo: CWGRPOConfig = opt(CWGRPOConfig, "CW-GRPO switches")

@@ -3,8 +3,11 @@
     cfg = load_config("configs/cwgrpo.yaml", ["credit.cwgrpo.alpha=inf", "rollout.max_turns=4"])
 
 Overrides apply after the YAML. Unknown keys, keys given twice in one YAML mapping, wrong
-types and numbers out of range (``fastcredit.config.checks.RANGES``) raise ConfigError naming
-the key, where it came from (file and line, or the command line) and the closest valid key.
+types and numbers out of range (declared beside each field, ``fastcredit.config.ranges``) raise
+ConfigError naming the key, where it came from (file and line, or the command line) and the
+closest valid key. What the chosen estimator needs is the training command's check
+(``fastcredit.credit.needs.check_needs``), not the loader's: this package imports nothing else
+of fastcredit.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from fastcredit.config.checks import ConfigError, check_config
+from fastcredit.config.checks import check_config
+from fastcredit.config.errors import ConfigError
 from fastcredit.config.schema import TrainConfig
 
 
@@ -99,7 +103,8 @@ def _apply_mapping(obj, data: dict, prefix: str, origin, root: type = None) -> N
         spec = _field_spec(obj, str(key), dotted, origin(dotted), full=_first_leaf(dotted, value), root=root)
         if dataclasses.is_dataclass(spec.type_):
             if not isinstance(value, dict):
-                raise ConfigError(f"{origin(dotted)}: '{dotted}' is a section; give it a mapping of keys, got {value!r}")
+                raise ConfigError(f"{origin(dotted)}: '{dotted}' is a section; give it a mapping of keys, "
+                                  f"got {value!r}")
             _apply_mapping(getattr(obj, key), value, dotted + ".", origin, root)
         else:
             setattr(obj, key, _coerce(value, spec.type_, dotted, origin(dotted)))
@@ -121,7 +126,8 @@ def _set_dotted(cfg, key: str, value, origin: str, root: type = None) -> None:
         if i == len(parts) - 1:
             if dataclasses.is_dataclass(spec.type_):
                 example = next(iter(field_types(spec.type_)))
-                raise ConfigError(f"{origin}: '{dotted}' is a section; set one of its keys, e.g. {dotted}.{example}=…")
+                raise ConfigError(f"{origin}: '{dotted}' is a section; set one of its keys, "
+                                  f"e.g. {dotted}.{example}=…")
             setattr(obj, part, _coerce(value, spec.type_, dotted, origin))
         elif not dataclasses.is_dataclass(spec.type_):
             raise ConfigError(f"{origin}: '{dotted}' is a value, not a section, so '{key}' does not exist")
@@ -230,8 +236,8 @@ def _to_float(value, key: str, origin: str) -> float:
 
 
 def validate(cfg: TrainConfig, origins: Optional[dict] = None) -> None:
-    """Every number in its range, the rules between keys, what the estimator needs (``fastcredit.config.checks``);
-    ``origins``: key → where it was set (file and line, or the command line), named in the error."""
+    """Every number in its range and the rules between keys (``fastcredit.config.checks``); ``origins``: key →
+    where it was set (file and line, or the command line), named in the error."""
     check_config(cfg, origins or {})
 
 
@@ -261,7 +267,8 @@ def parse_cli(argv: typing.Sequence[str]) -> tuple[Union[str, list[str], None], 
     while args:
         a = args.pop(0)
         if a in ("-h", "--help") or a.startswith("--help="):
-            raise ConfigError(f"{a} reached the config parser; call fastcredit.config.help.handle_help(argv, ...) first")
+            raise ConfigError(f"{a} reached the config parser; "
+                              "call fastcredit.config.help.handle_help(argv, ...) first")
         if a == "--config":
             if not args:
                 raise ConfigError("--config needs a YAML path")

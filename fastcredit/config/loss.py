@@ -7,18 +7,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from fastcredit.config.fields import opt
+from fastcredit.config.fields import NONNEG, POS, opt
 
 
 @dataclass
 class LossConfig:
-    clip_low: float = opt(0.2, "ratio lower clip: 1 - clip_low")
-    clip_high: float = opt(0.2, "ratio upper clip: 1 + clip_high (DAPO: 0.28)")
-    dual_clip: Optional[float] = opt(None, "dual-clip constant c for negative advantages (e.g. 3.0); null: off")
-    kl_coef: float = opt(1e-3, "beta of the k3 KL to the reference policy")
-    kl_clamp: float = opt(10.0, "k3 KL is clamped to [-kl_clamp, kl_clamp]")
-    entropy_coef: float = opt(0.0, "eta of the entropy bonus -eta * H")
-    agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "turn-mean"] = opt("token-mean", "how token losses are averaged over the global batch")
-    value_clip: float = opt(0.2, "clip range of the value loss (ppo, pica)")
-    vf_coef: float = opt(0.5, "value-loss weight")
-    impl: Literal["auto", "triton", "torch"] = opt("auto", "fused ops (turn-surrogate loss, linear log-prob): Triton kernels on CUDA tensors, torch elsewhere; $FASTCREDIT_LOSS_IMPL overrides")
+    clip_low: float = opt(0.2, "ratio lower clip: 1 - clip_low", range="[0, 1)")
+    clip_high: float = opt(0.2, "ratio upper clip: 1 + clip_high (DAPO: 0.28)", range=NONNEG)
+    dual_clip: Optional[float] = opt(None, "dual-clip constant c for negative advantages (e.g. 3.0); null: off",
+                                     range="(1, inf)", note="null: off")
+    kl_coef: float = opt(1e-3, "beta of the k3 KL to the reference policy", range=NONNEG)
+    kl_clamp: float = opt(10.0, "k3 KL is clamped to [-kl_clamp, kl_clamp]", range=POS)
+    entropy_coef: float = opt(0.0, "eta of the entropy bonus -eta * H", range=NONNEG)
+    agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "turn-mean"] = opt(
+        "token-mean", "how token losses are averaged over the global batch")
+    value_clip: float = opt(0.2, "clip range of the value loss (ppo, pica)", range=POS)
+    vf_coef: float = opt(0.5, "value-loss weight", range=NONNEG)
+    impl: Literal["auto", "triton", "torch"] = opt(
+        "auto", "fused ops (turn-surrogate loss, linear log-prob): Triton kernels on CUDA tensors, torch elsewhere; "
+                "$FASTCREDIT_LOSS_IMPL overrides")

@@ -30,7 +30,8 @@ def criticsearch_labels(inputs: CreditInputs, cfg: CreditConfig) -> tuple[torch.
     """
     traj_S = inputs.seg_traj_S
     search_S = inputs.seg_kind_S.long() == TurnKind.SEARCH
-    ok_B = inputs.critic_ok_B.bool() if inputs.critic_ok_B is not None else torch.ones(inputs.B, dtype=torch.bool, device=traj_S.device)
+    ok_B = inputs.critic_ok_B.bool() if inputs.critic_ok_B is not None else \
+        torch.ones(inputs.B, dtype=torch.bool, device=traj_S.device)
     good_S = (inputs.critic_label_S.to(torch.float64) > 0.5).to(torch.float64)
     fallback_S = (inputs.em_B.to(torch.float64) > 0.5).to(torch.float64)[traj_S]
     policy = cfg.critic.on_failure

@@ -60,7 +60,8 @@ def dynamic_sampling_step(reward_B: torch.Tensor, group_id_B: torch.Tensor, cfg:
     """
     inv_B, G = group_index(group_id_B)
     if not cfg.enabled:
-        return DynamicSamplingDecision(torch.ones(reward_B.numel(), dtype=torch.bool, device=reward_B.device), G, 0, 0, True)
+        return DynamicSamplingDecision(torch.ones(reward_B.numel(), dtype=torch.bool, device=reward_B.device),
+                                       G, 0, 0, True)
     keep_B = keep_mask(reward_B, group_id_B)
     kept = int(torch.zeros(G, dtype=torch.bool, device=inv_B.device).index_fill_(0, inv_B[keep_B], True).sum())
     have, seen = kept_before + kept, seen_before + G

@@ -21,12 +21,12 @@ or row (parquet), and the field.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
+
+from fastcredit.runtime.files import atomic_output
 
 FORMATS = ("parquet", "jsonl", "toyworld")
 TOY_SPLITS = ("train", "test")
@@ -47,7 +47,8 @@ class QAExample:
     golden_answers: list[str]
     data_source: str = ""
     metadata: dict = field(default_factory=dict)
-    prompt: Optional[list] = field(default=None, compare=False)  # the file's own chat prompt (data.prompt_source=parquet)
+    # the file's own chat prompt (data.prompt_source=parquet)
+    prompt: Optional[list] = field(default=None, compare=False)
 
     def to_record(self) -> dict:
         """The FlashRAG-style jsonl record of this example."""
@@ -296,24 +297,6 @@ def iter_corpus(path: str) -> Iterator[tuple[str, str, str]]:
             raise DataError(f"{where}: field 'contents' must be a string, got {_type_name(contents)}")
         title, sep, text = contents.partition("\n")
         yield (pid, _unquote(title), text) if sep else (pid, "", contents)
-
-
-@contextlib.contextmanager
-def atomic_output(path: str) -> Iterator[str]:
-    """Yield a temporary path next to ``path``; on success move it over ``path`` in one step.
-
-    Readers never see a half-written file, and a failed write leaves no temporary behind.
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    os.close(fd)
-    try:
-        yield tmp
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; data files are meant to be shared
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _parquet_schema():

@@ -99,7 +99,8 @@ def example_prompt_ids(tokenizer, examples: Sequence, source: str = "template", 
         return prompt_ids(tokenizer, [ex.question for ex in examples], template, chat_template)
     if source != "parquet":
         raise ValueError(f"unknown data.prompt_source {source!r}; valid: template, parquet")
-    texts = [row_prompt_text(tokenizer, ex.prompt, chat_template, f"example {ex.id!r} ({ex.data_source or 'no source'})")
+    texts = [row_prompt_text(tokenizer, ex.prompt, chat_template,
+                             f"example {ex.id!r} ({ex.data_source or 'no source'})")
              for ex in examples]
     return [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
 

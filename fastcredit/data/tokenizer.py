@@ -1,10 +1,12 @@
-"""A small byte-level BPE tokenizer trained in code, for the 'tiny' policy on the toy world.
+"""A small byte-level BPE tokenizer trained in code, for the 'tiny' policy on the toy world, and
+:func:`load_tokenizer`, which loads a saved folder's tokenizer by the class it names.
 
 The agent's tags are single tokens, so turn boundaries and stop strings are exact in
 token space. Training is deterministic for a given text list and takes well under a second.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Iterable, Optional
 
@@ -48,3 +50,18 @@ def tag_token_ids(tokenizer) -> dict[str, int]:
             raise ValueError(f"tokenizer splits {tag!r} into {len(enc)} tokens; stop tags must be single tokens")
         ids[tag] = enc[0]
     return ids
+
+
+def load_tokenizer(folder: str):
+    """The tokenizer of an exported ``folder`` as the run used it: the class its tokenizer_config.json names
+    (NOTE: transformers 5 makes ``AutoTokenizer`` build the model type's own tokenizer class for some types,
+    qwen2 among them, whatever tokenizer_config.json names; it would re-split text with another pattern)."""
+    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    path, name = os.path.join(folder, "tokenizer_config.json"), None
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    cls = tokenizer_class_from_name(name) if name else None
+    return (cls or AutoTokenizer).from_pretrained(folder)

@@ -34,10 +34,11 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from fastcredit.data.loaders import (
-    DataError, QAExample, atomic_output, iter_corpus, load_toyworld, write_searchr1_parquet,
+    DataError, QAExample, iter_corpus, load_toyworld, write_searchr1_parquet,
 )
 from fastcredit.data.toyqa import RELATIONS, make_questions, question_hops
-from fastcredit.config.toy import ToyWorldConfig
+from fastcredit.config.toy import ToyWorldConfig, check_toy_world
+from fastcredit.runtime.files import atomic_output
 
 TYPES = ("person", "city", "country", "university", "company", "band")
 DATA_SOURCE = "toyworld"
@@ -246,33 +247,10 @@ def _make_passages(cfg: ToyWorldConfig, ents: dict, rng: random.Random) -> tuple
     return passages, {k: sorted(set(v), key=int) for k, v in facts.items()}
 
 
-def _check_config(cfg: ToyWorldConfig) -> None:
-    counts = ("num_people", "num_cities", "num_countries", "num_universities", "num_companies", "num_bands",
-              "num_questions")
-    problems = [(getattr(cfg, name) >= 0, f"{name} must not be negative, got {getattr(cfg, name)}") for name in counts]
-    problems += [
-        (1 <= cfg.max_hops <= 3, f"max_hops must be 1, 2 or 3, got {cfg.max_hops}"),
-        (1 <= cfg.min_hops <= cfg.max_hops, f"min_hops must be in [1, max_hops = {cfg.max_hops}], got {cfg.min_hops}"),
-        (cfg.num_countries >= 1, f"num_countries must be at least 1, got {cfg.num_countries}"),
-        (cfg.num_cities >= cfg.num_countries,
-         f"num_cities ({cfg.num_cities}) must be at least num_countries ({cfg.num_countries})"),
-        (cfg.num_universities >= 1 or cfg.num_people == 0, "people study somewhere: num_universities must be at least 1"),
-        (cfg.num_people >= 1 or cfg.num_companies + cfg.num_bands == 0,
-         "companies and bands need people: num_people must be at least 1"),
-        (0.0 <= cfg.test_fraction < 1.0, f"test_fraction must be in [0, 1), got {cfg.test_fraction}"),
-    ]
-    for name in ("twin_fraction", "distractor_fraction", "married_fraction"):
-        value = getattr(cfg, name)
-        problems.append((0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value}"))
-    for ok, message in problems:
-        if not ok:
-            raise ValueError(f"toy world: {message}")
-
-
 def generate_world(cfg: Optional[ToyWorldConfig] = None) -> ToyWorld:
     """Build the world in memory; everything follows from ``cfg`` (one ``random.Random(cfg.seed)``)."""
     cfg = cfg or ToyWorldConfig()
-    _check_config(cfg)
+    check_toy_world(cfg)  # a ConfigError, a ValueError, naming the setting
     rng = random.Random(cfg.seed)
     ents = _make_entities(cfg, rng)
     passages, facts = _make_passages(cfg, ents, rng)
@@ -358,7 +336,8 @@ def load_world(out_dir: str) -> ToyWorld:
 
 def main(argv: Optional[list] = None) -> int:
     """The command line: generate, write, print the summary; exit status 2 on a bad config."""
-    parser = argparse.ArgumentParser(prog="python -m fastcredit.data.toyworld", description="Write the toy world's files.")
+    parser = argparse.ArgumentParser(prog="python -m fastcredit.data.toyworld",
+                                     description="Write the toy world's files.")
     parser.add_argument("--out", required=True, help="output folder")
     for f in dataclasses.fields(ToyWorldConfig):
         parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,

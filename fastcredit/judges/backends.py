@@ -24,7 +24,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Optional
 
-from fastcredit.distributed.devices import on_device
+from fastcredit.runtime.devices import on_device
 from fastcredit.judges.types import JudgeItem
 
 

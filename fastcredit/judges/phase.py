@@ -53,7 +53,8 @@ def make_backend(cfg: TrainConfig, policy_engine, device: torch.device, policy_c
     during_rollout = cfg.rollout.proceed.enabled  # ProCeed asks its critic between the policy's own turns
     if mismatch is None and not during_rollout:
         weights = CriticWeights.load(j.model, policy_engine.weight_dtype, pin=device.type == "cuda")
-        return EngineBackend(policy_engine, j.temperature, j.max_tokens, tokenizer=weights.tokenizer, weights=weights, **s)
+        return EngineBackend(policy_engine, j.temperature, j.max_tokens, tokenizer=weights.tokenizer,
+                             weights=weights, **s)
     why = "ProCeed's critic answers during the rollout" if during_rollout else \
         f"its architecture differs from the policy's ({mismatch})"
     if cfg.rollout.engine == "vllm":

@@ -7,7 +7,7 @@ Weights live in pinned host memory between judge phases: the phase manager
 (``fastcredit.distributed.colocate.PhaseManager``) calls :meth:`wake_up` before the judge
 phase (weights copied to the device) and :meth:`sleep` after it (the device copies
 dropped), as it does for a critic with an engine of its own. On the CPU both are no-ops.
-``f`` per turn is the head at the turn's placeholder (``fastcredit.prm.data``), ``f0`` at the
+``f`` per turn is the head at the turn's placeholder (``fastcredit.models.prm_inputs``), ``f0`` at the
 question's; the hazard form ``h_t = 1 − f(t)/f(t−1)`` (clamped to [0, 1]) feeds
 ``pica.step_reward=linear``.
 """
@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from fastcredit.prm.data import PRMEncoder, pack, token_budget_groups
+from fastcredit.models.prm_inputs import PRMEncoder, pack, token_budget_groups
 from fastcredit.models.prm import PRMModel, hazards, load_prm
 
 

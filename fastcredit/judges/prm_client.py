@@ -153,7 +153,9 @@ class PiCARewardClient:
             f0.append(1.0)
             f.append(torch.cumprod(1.0 - h_T, 0))
             h.append(h_T)
-        cat = (lambda xs: torch.cat(xs).float() if xs else torch.zeros(0))
+        def cat(xs: list) -> torch.Tensor:
+            return torch.cat(xs).float() if xs else torch.zeros(0)
+
         return torch.tensor(f0, dtype=torch.float32), cat(f), cat(h)
 
     async def _post_all(self, texts: list[str]) -> list[list]:

@@ -31,7 +31,12 @@ def _quoter(shown: Optional[list]):
     return quote
 
 
-CRITICSEARCH_RULES = """Please analyze whether each search process is good or bad, and include the final evaluation result within a `<score>...</score>` tag. If it is good, output 1; if it is bad, output 0. For example, if there are two actions, output `<score>1, 1</score>`; if there are four actions, output `<score>1, 0, 0, 1</score>`. When making judgments, strictly follow these rules:
+# NOTE: inside the prompt texts below, a line that ends in a backslash goes on with the next line: the prompt
+# itself has no line break there.
+CRITICSEARCH_RULES = """Please analyze whether each search process is good or bad, and include the \
+final evaluation result within a `<score>...</score>` tag. If it is good, output 1; if it is bad, \
+output 0. For example, if there are two actions, output `<score>1, 1</score>`; if there are four \
+actions, output `<score>1, 0, 0, 1</score>`. When making judgments, strictly follow these rules:
 
 1. If the "search" action contributes to the final answer or provides partially useful information, it is good.
 2. If the "search" action provides redundant information, or repeats a search that has already been done, it is bad.
@@ -39,9 +44,11 @@ CRITICSEARCH_RULES = """Please analyze whether each search process is good or ba
 4. If the "search" action results in incorrect information due to unclear expression, it is bad.
 5. Do not evaluate the "answer" actions, only evaluate the "search" actions.
 6. If there are no search actions in the entire trajectory, only return `<score></score>`.
-7. Only evaluate valid "search" actions (queries that contain `<search>...</search>` and receive `<information>...</information>` feedback afterward).
+7. Only evaluate valid "search" actions (queries that contain `<search>...</search>` \
+and receive `<information>...</information>` feedback afterward).
 8. The final number of scores must match the number of "search" actions.
-9. Ultimately, first provide a detailed analysis of the search process, then enclose the evaluation results within a `<score>...</score>` tag."""
+9. Ultimately, first provide a detailed analysis of the search process, \
+then enclose the evaluation results within a `<score>...</score>` tag."""
 
 
 def criticsearch_prompt(golds, prediction, solution: str, gold_answer: bool = True,
@@ -57,36 +64,55 @@ def criticsearch_prompt(golds, prediction, solution: str, gold_answer: bool = Tr
     return "\n\n".join(parts)
 
 
-CWGRPO_RUBRIC = """You are an assistant that evaluates the validity of the agent's reasoning in a question-answering task.
+CWGRPO_RUBRIC = """You are an assistant that evaluates the \
+validity of the agent's reasoning in a question-answering task.
 
-You will be given a partial trace consisting of alternating messages between the agent and the information source. Your task is to judge only the latest action in the trace, based on the agent's latest <think> section and all previously retrieved information.
+You will be given a partial trace consisting of alternating messages between the agent \
+and the information source. Your task is to judge only the latest action in the trace, \
+based on the agent's latest <think> section and all previously retrieved information.
 
 ### Evaluation Criteria
 
 #### Retrieval Reward
 For the latest action, give a retrieval_reward of 1 if and only if:
-1. Relevance: The retrieved information is genuinely relevant to the main question and is likely to be helpful in answering it.
-2. Novelty: The retrieved information should offer new, useful content for answering the question that was not already obtained in previous rounds. If the same information (or its substance) was retrieved in previous rounds, do not assign a retrieval_reward, even if it is relevant.
+1. Relevance: The retrieved information is genuinely relevant \
+to the main question and is likely to be helpful in answering it.
+2. Novelty: The retrieved information should offer new, useful content for answering the question \
+that was not already obtained in previous rounds. If the same information (or its substance) was \
+retrieved in previous rounds, do not assign a retrieval_reward, even if it is relevant.
 
 #### Thinking Reward
 For the latest action, give a thinking_reward of 1 if and only if:
-1. Reasoning Support: The reasoning in the latest <think> section is logically grounded in the previously retrieved documents. The agent's claims, assumptions, and deductions must be supported by the information already obtained.
-2. Action Usefulness: If the action is a search, the proposed retrieval query must aim to obtain missing information that is necessary or beneficial for producing a correct answer. If the action is an answer, the reasoning must align with and be properly supported by the retrieved information. When assigning the thinking reward, you must only focus on the content and quality of the agent's latest <think> section; do NOT consider the relevance of the retrieved documents or whether the final answer matches the ground truth.
+1. Reasoning Support: The reasoning in the latest <think> section is logically grounded in the previously retrieved \
+documents. The agent's claims, assumptions, and deductions must be supported by the information already obtained.
+2. Action Usefulness: If the action is a search, the proposed retrieval query must aim to obtain missing \
+information that is necessary or beneficial for producing a correct answer. If the action is an answer, \
+the reasoning must align with and be properly supported by the retrieved information. When assigning the \
+thinking reward, you must only focus on the content and quality of the agent's latest <think> section; do \
+NOT consider the relevance of the retrieved documents or whether the final answer matches the ground truth.
 
 If either the reasoning is unsupported or the action is not helpful toward answering the question, assign a score of 0.
 
 ### Additional Notes
 - Your judgment must rely only on the conversation history and retrieved documents; do not use outside knowledge.
-- If multiple documents share the same title, treat them as parts of the same entry. But if the documents have similar but not the same title, treat them as separate and independent.
-- The KB may contain documents with names similar to the target entity but that are actually irrelevant. If the agent incorrectly treats such similar-but-unrelated documents as relevant and bases reasoning on them, you must assign 0.
+- If multiple documents share the same title, treat them as parts of the same entry. But if \
+the documents have similar but not the same title, treat them as separate and independent.
+- The KB may contain documents with names similar to the target entity but that are actually irrelevant. If the agent \
+incorrectly treats such similar-but-unrelated documents as relevant and bases reasoning on them, you must assign 0.
 - Be objective and consistent.
 
 ### Analysis Steps
-1. Extract the factual claims, reasoning logic, search intent, and assumptions made in the latest action's <think> section.
-2. For each factual claim, check whether it is supported by previously retrieved passages or is a matter of common sense.
-3. Analyze whether the reasoning logic is rigorous, and whether the search intent aligns with the reasoning and constitutes information still needed to answer the question.
-4. Extract information from the retrieved documents that may be relevant to the main question. If no relevant information is present, skip step 5 and assign a retrieval_reward of 0.
-5. For each relevant information, check whether it was already retrieved in previous rounds and, if so, in which round. Finally, give the retrieval_reward based on whether genuinely new relevant information was retrieved in this turn.
+1. Extract the factual claims, reasoning logic, search intent, \
+and assumptions made in the latest action's <think> section.
+2. For each factual claim, check whether it is supported by \
+previously retrieved passages or is a matter of common sense.
+3. Analyze whether the reasoning logic is rigorous, and whether the search intent aligns \
+with the reasoning and constitutes information still needed to answer the question.
+4. Extract information from the retrieved documents that may be relevant to the main question. \
+If no relevant information is present, skip step 5 and assign a retrieval_reward of 0.
+5. For each relevant information, check whether it was already retrieved in \
+previous rounds and, if so, in which round. Finally, give the retrieval_reward \
+based on whether genuinely new relevant information was retrieved in this turn.
 
 You should only evaluate the last action.
 
@@ -108,11 +134,17 @@ def cwgrpo_prompt(question: str, rounds: list[tuple[str, str]], shown: Optional[
     return CWGRPO_RUBRIC + "\n\n### Trace\n" + "\n".join(lines)
 
 
-PROCESS_CRITIC = """You are a process critic for a search agent that answers a question by reasoning inside <think>...</think>, searching with <search>query</search> (results come back inside <information>...</information>) and answering with <answer>...</answer>.
+PROCESS_CRITIC = """You are a process critic for a search agent that answers a question \
+by reasoning inside <think>...</think>, searching with <search>query</search> (results \
+come back inside <information>...</information>) and answering with <answer>...</answer>.
 
-Judge only the latest step: its action and what the environment returned. Consider both its reasoning (is the action grounded in what is already known, and does it pursue information that is still missing?) and its consequences (did the search return new, relevant information; is the answer supported?). A repeated or off-target search, a vague query, or an unsupported answer is a poor step.
+Judge only the latest step: its action and what the environment returned. Consider both its \
+reasoning (is the action grounded in what is already known, and does it pursue information that is \
+still missing?) and its consequences (did the search return new, relevant information; is the answer \
+supported?). A repeated or off-target search, a vague query, or an unsupported answer is a poor step.
 
-First write a short analysis. Then give an integer score from 0 (harmful) to 10 (ideal) as <rating>N</rating> and a one-paragraph critique telling the agent how to improve this step as <critique>...</critique>."""
+First write a short analysis. Then give an integer score from 0 (harmful) to 10 (ideal) as <rating>N</rating> \
+and a one-paragraph critique telling the agent how to improve this step as <critique>...</critique>."""
 
 
 def process_prompt(question: str, history: str, action: str, observation: str, shown: Optional[list] = None) -> str:
@@ -125,15 +157,24 @@ def process_prompt(question: str, history: str, action: str, observation: str, s
 # Reconstructed: PiCA's Appendix A prompt text is missing from the extraction; these are its stated criteria
 # (a step is '+' when its search and reasoning yield the corresponding golden sub-answer with its sub-query,
 # matched in order against the MuSiQue decomposition; every other step is '-'; one label per step).
-PIVOT_RULES = """You label the steps of a search agent's trajectory for training a process reward model. The agent answers a multi-hop question step by step. Each step is an action (reasoning inside <think>...</think>, then a search <search>query</search> or a final answer <answer>...</answer>), followed for a search by the retrieved documents inside <information>...</information>.
+PIVOT_RULES = """You label the steps of a search agent's trajectory for training a process reward \
+model. The agent answers a multi-hop question step by step. Each step is an action (reasoning inside \
+<think>...</think>, then a search <search>query</search> or a final answer <answer>...</answer>), \
+followed for a search by the retrieved documents inside <information>...</information>.
 
-You are given the question's golden decomposition: its sub-queries in order, each with its golden sub-answer (a sub-query may refer to an earlier sub-answer as #1, #2, ...). Match the steps against the golden sub-queries in order:
+You are given the question's golden decomposition: its sub-queries in order, each with its golden sub-answer (a \
+sub-query may refer to an earlier sub-answer as #1, #2, ...). Match the steps against the golden sub-queries in order:
 
-1. A step is a pivot step, labelled '+', if its search and reasoning successfully yield the corresponding golden sub-answer with its sub-query: it searches for a golden sub-query (or a paraphrase of it) that no earlier step has yielded, and the documents it retrieves state that sub-query's golden sub-answer.
-2. Every other step is labelled '-': a search for something that is not a golden sub-query, a search whose documents do not contain the golden sub-answer, a step that yields a sub-answer an earlier step already yielded, an invalid step, and the final answer.
+1. A step is a pivot step, labelled '+', if its search and reasoning successfully yield the corresponding \
+golden sub-answer with its sub-query: it searches for a golden sub-query (or a paraphrase of it) that no \
+earlier step has yielded, and the documents it retrieves state that sub-query's golden sub-answer.
+2. Every other step is labelled '-': a search for something that is not a golden \
+sub-query, a search whose documents do not contain the golden sub-answer, a step that \
+yields a sub-answer an earlier step already yielded, an invalid step, and the final answer.
 3. Give exactly one label per step, in order: as many labels as there are steps.
 
-First analyse each step briefly. Then give the labels, separated by ", ", inside one labels tag; for four steps of which the first and the third are pivot steps: <labels>+, -, +, -</labels>"""
+First analyse each step briefly. Then give the labels, separated by ", ", inside one labels tag; \
+for four steps of which the first and the third are pivot steps: <labels>+, -, +, -</labels>"""
 
 
 def pivot_prompt(question: str, sub_steps: list[tuple[str, str]], steps: list[tuple[str, str]],

@@ -124,7 +124,8 @@ class CWGRPOJudge:
 
 
 class ProcessCritic:
-    """ProCeedRL's process critic: ``await ascore_step(question, history, action, observation)`` → ``(score, critique)``.
+    """ProCeedRL's process critic:
+    ``await ascore_step(question, history, action, observation)`` → ``(score, critique)``.
 
     A step whose critique cannot be parsed after the retries gets ``(None, "")``: it is
     kept as it is (no rewind), and counted.

@@ -2,7 +2,7 @@
 
     weights = CriticWeights.load("models/Qwen2.5-3B-Instruct", dtype=torch.bfloat16, pin=True)
     problem = architecture_mismatch(policy_config, weights.config)   # None: the weights fit the engine
-    engine.update_weights(weights.tensors())                         # the judge phase; the rollout loads the policy back
+    engine.update_weights(weights.tensors())    # the judge phase; the rollout loads the policy back
 
 CriticSearch pairs a Qwen2.5-3B base policy with Qwen2.5-3B-Instruct (7B with 7B), and a
 ProCeedRL-style self-critic is the policy itself: in both the critic's tensors have the

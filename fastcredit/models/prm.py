@@ -2,7 +2,7 @@
 
     lm, tok = backbone("tiny" or a HF folder), tokenizer;  add_placeholder(tok, lm, "<|vision_start|>")
     model = PRMModel(lm)                                  # f = σ(head(h)) at every placeholder of a packed row
-    z_P = model(x)                                        # logits at x.pred_N (fastcredit.prm.data.pack)
+    z_P = model(x)                                        # logits at x.pred_N (fastcredit.models.prm_inputs.pack)
     loss_B, parts = prm_loss(z_P, cu_P, outcome_B, pivot_P, lambda_g=1.0, tau_g=0.1)
     save_prm(folder, lm, head, tok, meta);  model, tok, meta = load_prm(folder)
 
@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fastcredit.trainer.update import ValueModel
+from fastcredit.models.packed import ValueModel
 
 PRM_META = "prm.json"
 PRM_HEAD = "prm_head.safetensors"
@@ -46,7 +46,7 @@ class PRMModel(ValueModel):
 def add_placeholder(tokenizer, lm, placeholder: str) -> int:
     """The placeholder's id, adding it to the tokenizer as a special token (and a row to the backbone's
     embeddings when the vocabulary is full) when it is not already one token."""
-    from fastcredit.prm.data import require_placeholder
+    from fastcredit.models.prm_inputs import require_placeholder
 
     pid = require_placeholder(tokenizer, placeholder)
     if pid is not None:
@@ -150,7 +150,7 @@ def load_prm(folder: str, device="cpu", dtype: torch.dtype = torch.float32) -> t
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from fastcredit.export import load_tokenizer
+    from fastcredit.data.tokenizer import load_tokenizer
 
     meta = read_prm_meta(folder)
     tok = load_tokenizer(folder)

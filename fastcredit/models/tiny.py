@@ -27,7 +27,8 @@ def build_tiny_policy(tokenizer, hidden: int = 128, layers: int = 2, heads: int 
                       intermediate_size=intermediate or 2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       max_position_embeddings=max_positions, tie_word_embeddings=True, bos_token_id=eos,
-                      eos_token_id=eos, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
+                      eos_token_id=eos,
+                      pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(cfg)

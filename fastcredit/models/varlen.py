@@ -1,6 +1,6 @@
 """Padding-free attention for packed sequences: block-diagonal causal attention over one ``[1, T]`` row.
 
-The actor packs a micro-batch's sequences back to back into one row (``fastcredit.trainer.update``):
+The actor packs a micro-batch's sequences back to back into one row (``fastcredit.models.packed``):
 position ids restart at 0 for each sequence and ``cu_seqlens`` ``[B+1]`` bound them. The
 decoder gets ``position_ids`` and transformers' flash-attention keyword arguments
 (``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``); an HF decoder

@@ -4,8 +4,8 @@
 
 Values come from the YAML, then ``key=value`` overrides (``fastcredit.config.load_config``: unknown keys
 and wrong types are errors naming the key and its file and line). The ``distributed`` and ``logging``
-sections are the policy trainer's own (``fastcredit.config``). Every number has a range in
-:data:`RANGES`, checked by :meth:`PRMTrainConfig.validate` with the key and where it was set.
+sections are the policy trainer's own (``fastcredit.config``). Every number declares its range
+beside its field, checked by :meth:`PRMTrainConfig.validate` with the key and where it was set.
 Defaults follow PiCA's Table 4 (Appendix G) where it gives a value; the comments say where it does not.
 """
 from __future__ import annotations
@@ -14,10 +14,9 @@ import os
 from dataclasses import dataclass
 from typing import Literal, Mapping, Optional
 
-from fastcredit.config import DistributedConfig, LoggingConfig
-from fastcredit.config.checks import COUNT, NONNEG, POS, ConfigError, ConfigPathError, Range, _get, numeric_keys
-from fastcredit.config.checks import RANGES as TRAIN_RANGES
-from fastcredit.config.fields import opt
+from fastcredit.config import ConfigError, ConfigPathError, DistributedConfig, LoggingConfig
+from fastcredit.config.fields import COUNT, NONNEG, POS, SEED, opt
+from fastcredit.config.ranges import check_ranges
 
 
 @dataclass
@@ -31,10 +30,11 @@ class PRMModelConfig:
                     "as float32 master weights, and the CPU computes in float32")
     attn_impl: Literal["sdpa", "eager", "flash_attention_2"] = opt("sdpa", "attention implementation passed to "
                                                                            "transformers")
-    tiny_hidden: int = opt(64, "hidden size of the 'tiny' backbone")
-    tiny_layers: int = opt(2, "decoder layers of the 'tiny' backbone")
-    tiny_heads: int = opt(2, "attention heads of the 'tiny' backbone")
-    tiny_vocab: int = opt(1000, "vocabulary size of the 'tiny' backbone's BPE tokenizer")
+    tiny_hidden: int = opt(64, "hidden size of the 'tiny' backbone", range=COUNT)
+    tiny_layers: int = opt(2, "decoder layers of the 'tiny' backbone", range=COUNT)
+    tiny_heads: int = opt(2, "attention heads of the 'tiny' backbone", range=COUNT)
+    tiny_vocab: int = opt(1000, "vocabulary size of the 'tiny' backbone's BPE tokenizer",
+                          range="[300, inf)", note="256 bytes and the agent tags")
 
 
 @dataclass
@@ -44,40 +44,48 @@ class PRMDataConfig:
     test_path: Optional[str] = opt(None, "held-out labelled trajectories; null: data.test_fraction of the training "
                                          "file's questions are held out")
     test_fraction: float = opt(0.1, "with data.test_path null: the share of the training file's questions held out "
-                                    "(split by question, so no question is in both; 0: no evaluation)")
+                                    "(split by question, so no question is in both; 0: no evaluation)",
+                               range="[0, 1)", note="0: no held-out split")
     max_tokens: int = opt(4096, "token budget of one trajectory's PRM input (Table 4: sequence.max_length 32768); "
-                                "longer ones keep the head of every segment (fastcredit.prm.data)")
+                                "longer ones keep the head of every segment (fastcredit.models.prm_inputs)",
+                          range="[2, inf)", note="a question and one turn, with their placeholders")
 
 
 @dataclass
 class PRMLossConfig:
     placeholder: str = opt("<|vision_start|>", "the token read after the question and after every turn (Appendix "
                                                "G.1: Qwen's <|vision_start|>); added to the tokenizer when missing")
-    lambda_g: float = opt(1.0, "λg, weight of L_gold against L_final (Eq. 10; the paper gives no value)")
-    tau_g: float = opt(0.1, "τg, temperature of L_gold = -Σ_pivots log σ((log f(t) - log f(t-1)) / τg) "
-                            "(docs/methods.md §6)")
+    lambda_g: float = opt(1.0, "λg, weight of L_gold against L_final (Eq. 10; the paper gives no value)",
+                          range=NONNEG, note="0: L_final alone")
+    tau_g: float = opt(0.1, "τg, temperature of L_gold = -Σ_pivots log σ((log f(t) - log f(t-1)) / "
+                            "τg) (docs/methods.md §6)", range=POS)
 
 
 @dataclass
 class PRMOptimConfig:
-    lr: float = opt(5e-6, "peak learning rate (Table 4: 5e-6)")
-    weight_decay: float = opt(0.0, "AdamW weight decay (not in Table 4)")
-    betas: list[float] = opt([0.9, 0.999], "AdamW betas (not in Table 4)")
-    warmup_ratio: float = opt(0.03, "linear warm-up over this share of the optimizer steps (not in Table 4)")
+    lr: float = opt(5e-6, "peak learning rate (Table 4: 5e-6)", range=POS)
+    weight_decay: float = opt(0.0, "AdamW weight decay (not in Table 4)", range=NONNEG)
+    betas: list[float] = opt([0.9, 0.999], "AdamW betas (not in Table 4)", range="[0, 1)", note="each of the two")
+    warmup_ratio: float = opt(0.03, "linear warm-up over this share of the optimizer steps (not in Table 4)",
+                              range="[0, 1)")
     schedule: Literal["constant", "cosine", "linear"] = opt("cosine", "schedule after warm-up (not in Table 4)")
-    grad_clip: float = opt(1.0, "max global gradient norm (inf: no clipping, the norm is still measured)")
-    epochs: int = opt(1, "passes over the training trajectories (Table 4: max_epochs 1)")
-    max_steps: int = opt(0, "stop after this many optimizer steps (0: optim.epochs decide); the schedule spans it")
-    batch_size: int = opt(256, "trajectories per optimizer step, over all ranks (Table 4: train_batch_size 256)")
+    grad_clip: float = opt(1.0, "max global gradient norm (inf: no clipping, the norm is still measured)",
+                           range="(0, inf]", note="inf: no clipping")
+    epochs: int = opt(1, "passes over the training trajectories (Table 4: max_epochs 1)", range=COUNT)
+    max_steps: int = opt(0, "stop after this many optimizer steps (0: optim.epochs decide); the schedule spans it",
+                         range=NONNEG, note="0: optim.epochs decide")
+    batch_size: int = opt(256, "trajectories per optimizer step, over all ranks (Table 4: train_batch_size 256)",
+                          range=COUNT)
     micro_batch_tokens: int = opt(16384, "tokens per packed forward / backward (Table 4 has micro_batch_size 16 "
-                                         "trajectories per GPU; here a token budget, a trajectory never split)")
+                                         "trajectories per GPU; here a token budget, a trajectory never split)",
+                                  range=COUNT)
 
 
 @dataclass
 class PRMEvalConfig:
     every: int = opt(0, "optimizer steps between evaluations on the held-out trajectories (0: only at the end; "
-                        "Table 4: eval_steps 100)")
-    max_trajectories: int = opt(0, "held-out trajectories evaluated (0: all)")
+                        "Table 4: eval_steps 100)", range=NONNEG, note="0: only at the end")
+    max_trajectories: int = opt(0, "held-out trajectories evaluated (0: all)", range=NONNEG, note="0: all")
 
 
 @dataclass
@@ -88,7 +96,7 @@ class PRMExportConfig:
 
 @dataclass
 class PRMTrainConfig:
-    seed: int = opt(0, "seed of the tiny backbone, the data order and the held-out split")
+    seed: int = opt(0, "seed of the tiny backbone, the data order and the held-out split", range=SEED)
     run_name: str = opt("fastcredit-prm", "name shown in logs")
     model: PRMModelConfig = opt(PRMModelConfig, "backbone and tokenizer")
     data: PRMDataConfig = opt(PRMDataConfig, "labelled trajectories and the held-out split")
@@ -101,15 +109,9 @@ class PRMTrainConfig:
     export: PRMExportConfig = opt(PRMExportConfig, "the exported PRM folder")
 
     def validate(self, origins: Optional[Mapping[str, str]] = None) -> None:
-        """Every number in its :data:`RANGES` entry and the rules between keys; errors name the key and where
-        it was set (``origins``: key → file and line, or the command line)."""
-        origins = origins or {}
-        for key in numeric_keys(type(self)):
-            value, rng = _get(self, key), RANGES[key]
-            where = f"{origins[key]}: " if key in origins else ""
-            for x in value if isinstance(value, list) else [value]:
-                if isinstance(x, bool) or not isinstance(x, (int, float)) or x not in rng:
-                    raise ConfigError(f"{where}{key} {rng.describe()}, got {value!r}")
+        """Every number in its field's range and the rules between keys; errors name the key and where it was
+        set (``origins``: key → file and line, or the command line)."""
+        check_ranges(self, origins)
         m = self.model
         rules = [
             (len(self.optim.betas) == 2, f"optim.betas must be two numbers in [0, 1), got {self.optim.betas!r}"),
@@ -138,20 +140,3 @@ class PRMTrainConfig:
             if path is not None and not os.path.exists(path):
                 raise ConfigPathError(f"{key}: {path} does not exist ({what})")
 
-
-# Keys the RL trainer's config shares with this one keep its ranges (fastcredit.config.checks.RANGES).
-_SHARED = ("seed", "model.tiny_hidden", "model.tiny_layers", "model.tiny_heads", "model.tiny_vocab", "optim.lr",
-           "optim.weight_decay", "optim.betas", "optim.warmup_ratio", "optim.grad_clip", "optim.micro_batch_tokens",
-           "distributed.shard_size", "logging.log_every", "logging.checkpoint_every", "logging.keep_checkpoints")
-RANGES: dict[str, Range] = {
-    **{key: TRAIN_RANGES[key] for key in _SHARED},
-    "data.test_fraction": Range("[0, 1)", "0: no held-out split"),
-    "data.max_tokens": Range("[2, inf)", "a question and one turn, with their placeholders"),
-    "prm.lambda_g": Range(NONNEG, "0: L_final alone"),
-    "prm.tau_g": Range(POS),
-    "optim.epochs": Range(COUNT),
-    "optim.max_steps": Range(NONNEG, "0: optim.epochs decide"),
-    "optim.batch_size": Range(COUNT),
-    "eval.every": Range(NONNEG, "0: only at the end"),
-    "eval.max_trajectories": Range(NONNEG, "0: all"),
-}

@@ -13,7 +13,7 @@ which its trainer's reward manager (``Search-R1/verl/trainer/main_ppo.py``) call
 
 Scoring positions. Each text is split on the special-token string (``--special-token``;
 default the PRM's own placeholder from ``prm.json``); the pieces are tokenized as the PRM's
-segments (``fastcredit.prm.data.PRMEncoder``: a piece that spells the PRM's placeholder gets
+segments (``fastcredit.models.prm_inputs.PRMEncoder``: a piece that spells the PRM's placeholder gets
 plain tokens, never a placeholder) and the placeholder id is inserted at every split, so the
 k-th score is read exactly where the k-th special-token string stood; look-alikes (a
 full-width spelling, say) are plain text. Text after the last special token is dropped (the

@@ -7,7 +7,8 @@
     python -m fastcredit.prm.train --config configs/prm.yaml --export-only      # the last checkpoint → a PRM folder
 
 The PRM gives ``f(t) = σ(head(h_t))`` at the placeholder after the question and after each turn
-(``fastcredit.prm.data`` / ``.model``), all of a trajectory's from one forward over a packed micro-batch.
+(``fastcredit.models.prm_inputs`` / ``fastcredit.models.prm``), all of a trajectory's from one forward over a
+packed micro-batch.
 The loss (``prm_loss``) is summed over a step's ``optim.batch_size`` trajectories and divided by that
 global count: the gradient is the same however the batch is split over ranks and micro-batches. The
 model trains through the policy trainer's engine (FSDP2 or DeepSpeed). Every ``eval.every`` steps and at
@@ -39,20 +40,20 @@ from tqdm import tqdm
 from fastcredit.distributed.checkpoint import resume_checkpoint, save_checkpoint
 from fastcredit.config.help import describe, format_usage, help_request
 from fastcredit.config import ConfigError, all_keys, load_config, parse_cli, save_config, to_dict
-from fastcredit.trainer.parts import _built_from, _mark_built, _wait_for
+from fastcredit.runtime.files import built_from, mark_built, seed_everything, wait_for_built
 from fastcredit.data.loaders import DataError
 from fastcredit.data.tokenizer import build_tiny_tokenizer
 from fastcredit.distributed.build import build_train_engine, compute_dtype
 from fastcredit.distributed.engine import adamw
 from fastcredit.distributed.process_group import all_reduce_sum, init_distributed, max_over_ranks, shutdown
-from fastcredit.export import DTYPES, ExportError, _name_deepspeed_accelerator, find_checkpoint
+from fastcredit.distributed.weights import DTYPES, ExportError, find_checkpoint, name_deepspeed_accelerator
 from fastcredit.models.tiny import build_tiny_policy
 from fastcredit.prm.config import PRMTrainConfig
-from fastcredit.prm.data import LabelledTrajectory, PRMEncoder, pack, read_labelled, require_placeholder, \
-    token_budget_groups
 from fastcredit.models.prm import PRMModel, add_placeholder, prm_loss, save_prm
+from fastcredit.models.prm_inputs import PRMEncoder, pack, require_placeholder, token_budget_groups
+from fastcredit.prm.data import LabelledTrajectory, read_labelled
 from fastcredit.runtime.tracking import MetricLogger, archive_previous_run, write_line
-from fastcredit.trainer.loop import lr_factor, seed_everything
+from fastcredit.trainer.schedule import lr_factor
 
 NAME = "prm"  # the trained model's name in a checkpoint (DCP keys prm.model.*, or engine/prm)
 EXPORT = "export"
@@ -140,11 +141,11 @@ def load_prm_tokenizer(cfg: PRMTrainConfig, out_dir: str, rows: Optional[Sequenc
     st = os.stat(cfg.data.train_path)
     key = {"vocab": m.tiny_vocab, "train_path": os.path.abspath(cfg.data.train_path), "bytes": st.st_size,
            "mtime_ns": st.st_mtime_ns, "rows": len(rows)}
-    if rank == 0 and not _built_from(folder, key):
+    if rank == 0 and not built_from(folder, key):
         build_tiny_tokenizer([r.question for r in rows] + [t for r in rows for t in r.turn_texts()], m.tiny_vocab,
                              folder)
-        _mark_built(folder, key)
-    _wait_for(folder, key)
+        mark_built(folder, key)
+    wait_for_built(folder, key)
     return AutoTokenizer.from_pretrained(folder)
 
 
@@ -358,24 +359,12 @@ class PRMTrainer:
 
 def plot_curves(path: str, png: str, title: str = "") -> str:
     """``png``: the curves of a PRM run's ``metrics.jsonl``, a panel per :data:`PANELS` entry with data (drawn
-    by ``fastcredit.runtime.tracking``'s panel code)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    by ``fastcredit.runtime.tracking.metrics_figure``, as the trainer's curves are)."""
     import matplotlib.pyplot as plt
 
-    from fastcredit.runtime.tracking import _expand, _panel, read_metrics
+    from fastcredit.runtime.tracking import metrics_figure, read_metrics
 
-    rows = read_metrics(path)
-    logged = {k for r in rows for k in r if k != "step"}
-    panels = [p for p in ((n, _expand(a, logged), _expand(b, logged)) for n, a, b in PANELS) if p[1] or p[2]]
-    fig, axes = plt.subplots(max(len(panels), 1), 1, sharex=True, squeeze=False, dpi=110,
-                             figsize=(10, 0.6 + 2.4 * max(len(panels), 1)))
-    for panel, (ax,) in zip(panels, axes):
-        _panel(ax, rows, *panel)
-    axes[-1][0].set_xlabel("step")
-    fig.suptitle(title)
-    fig.tight_layout()
+    fig = metrics_figure(read_metrics(path), title=title, panels=PANELS)
     fig.savefig(png)
     plt.close(fig)
     return png
@@ -385,7 +374,7 @@ def read_prm_weights(ckpt: str, model) -> str:
     """Load the PRM of the checkpoint folder ``ckpt`` (``step_N``: DCP ``model/`` of FSDP2, or DeepSpeed's
     ``engine/prm``) into ``model`` (a PRMModel) in place, in this one process; returns what was read."""
     from fastcredit.distributed.engine import hf_name
-    from fastcredit.export import _check_tied, check_names_and_shapes
+    from fastcredit.distributed.weights import check_names_and_shapes, check_tied
 
     own, zero, folder = model.state_dict(), os.path.join(ckpt, "engine", NAME), os.path.join(ckpt, "model")
     if os.path.isdir(zero):  # the fp32 master weights, consolidated from every rank's partition
@@ -395,7 +384,7 @@ def read_prm_weights(ckpt: str, model) -> str:
         keys = {hf_name(k): k for k in state}
         for names in check_names_and_shapes(model, {n: tuple(state[k].shape) for n, k in keys.items()}, zero):
             tensors = [state[keys[n]].contiguous() for n in names]
-            _check_tied(names, tensors, zero)
+            check_tied(names, tensors, zero)
             own[names[0]].copy_(tensors[0])
         return f"{len(keys)} tensors from DeepSpeed ZeRO {zero}"
     import torch.distributed.checkpoint as dcp
@@ -416,14 +405,14 @@ def read_prm_weights(ckpt: str, model) -> str:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(targets, storage_reader=reader, no_dist=True)
     for names in groups:
-        _check_tied(names, [targets[keys[n]] for n in names], folder)
+        check_tied(names, [targets[keys[n]] for n in names], folder)
     return f"{len(keys)} tensors from DCP {folder}"
 
 
 def export_prm(cfg: PRMTrainConfig, tokenizer) -> str:
     """Write ``<output_dir>/export`` (``fastcredit.models.prm.save_prm``) from the run's last checkpoint (verified
     against its manifest), in one process; returns the folder."""
-    _name_deepspeed_accelerator()  # transformers' save_pretrained imports DeepSpeed (through accelerate)
+    name_deepspeed_accelerator()  # transformers' save_pretrained imports DeepSpeed (through accelerate)
     ckpt, model = find_checkpoint(cfg.logging.output_dir), PRMModel(build_backbone(cfg, tokenizer))
     what = read_prm_weights(ckpt, model)
     out = save_prm(os.path.join(cfg.logging.output_dir, EXPORT), model.lm.to(DTYPES[cfg.export.dtype]),

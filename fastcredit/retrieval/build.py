@@ -139,7 +139,8 @@ def build_all(corpus: str, out_dir: str, encoder: str = "minilm", pooling: str =
     if tok is not None:
         from fastcredit.retrieval.tokstore import build_token_store, token_store_dir
 
-        token_dir = os.path.relpath(build_token_store(store, tok, token_store_dir(store.root, tok), progress=progress).root, out_dir)
+        token_dir = os.path.relpath(
+            build_token_store(store, tok, token_store_dir(store.root, tok), progress=progress).root, out_dir)
     _write_json(os.path.join(out_dir, "build.json"), {
         "corpus": os.path.abspath(corpus), "corpus_store": "corpus", "index": index_name, "index_type": index_type,
         "encoder": {**enc.fingerprint(), "query_prefix": enc.query_prefix}, "num_passages": len(store),
@@ -173,7 +174,8 @@ def main(argv: Optional[list] = None) -> int:
                     a.index_type, a.batch_size, a.chunk_size, a.device, a.dtype, a.tokenizer, a.hnsw_m, a.nlist,
                     a.pq_m, max_chunks=a.max_chunks, overwrite=a.overwrite, progress=not a.quiet)
     if out is None:
-        print(f"stopped after --max-chunks={a.max_chunks} new chunks; run the same command again to resume", file=sys.stderr)
+        print(f"stopped after --max-chunks={a.max_chunks} new chunks; run the same command again to resume",
+              file=sys.stderr)
         return EXIT_INCOMPLETE
     print(f"built {out}")
     return 0

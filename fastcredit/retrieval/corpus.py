@@ -149,7 +149,8 @@ def open_corpus_store(jsonl_path: Optional[str], store_dir: str, progress: bool 
         if jsonl_path is None or not os.path.exists(jsonl_path):
             return CorpusStore(store_dir)
         stamp = _source_stamp(jsonl_path)
-        if meta.get("version") == STORE_VERSION and all(meta.get(k) == stamp[k] for k in ("source_size", "source_mtime_ns")):
+        if meta.get("version") == STORE_VERSION and all(meta.get(k) == stamp[k]
+                                                        for k in ("source_size", "source_mtime_ns")):
             return CorpusStore(store_dir)
     if jsonl_path is None:
         raise CorpusError(f"{store_dir}: no corpus store here and no corpus jsonl given to build one")
@@ -166,7 +167,8 @@ class CorpusStore:
         with open(os.path.join(root, "meta.json"), encoding="utf-8") as fh:
             self.meta = json.load(fh)
         if self.meta.get("version") != STORE_VERSION:
-            raise CorpusError(f"{root}/meta.json: store version {self.meta.get('version')} != {STORE_VERSION}; rebuild it")
+            raise CorpusError(f"{root}/meta.json: store version {self.meta.get('version')} != {STORE_VERSION}; "
+                              "rebuild it")
         self.root = root
         self._contents = np.memmap(os.path.join(root, "contents.bin"), dtype=np.uint8, mode="r")
         self._c_off = np.load(os.path.join(root, "contents.idx.npy"), mmap_mode="r")

@@ -106,7 +106,8 @@ class Encoder:
 
         path = encoder_path(name)
         if "e5" in os.path.basename(path.rstrip("/")).lower() and not query_prefix:
-            log.warning("encoder %s looks like E5 but query_prefix is empty; Search-R1 uses 'query: ' / 'passage: '", path)
+            log.warning("encoder %s looks like E5 but query_prefix is empty; Search-R1 uses 'query: ' / 'passage: '",
+                        path)
         dev = resolve_device(device)
         model = AutoModel.from_pretrained(path, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=True)

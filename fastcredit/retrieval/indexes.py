@@ -97,8 +97,9 @@ def build_faiss_index(chunks: Sequence[np.ndarray], index_type: str = "flat", hn
         rng = np.random.default_rng(seed)
         picks = np.sort(rng.choice(n, size=min(n, train_size), replace=False))
         starts = np.cumsum([0] + [len(c) for c in chunks])
-        sample = np.concatenate([np.asarray(chunks[c][picks[(picks >= starts[c]) & (picks < starts[c + 1])] - starts[c]])
-                                 for c in range(len(chunks))])
+        sample = np.concatenate([
+            np.asarray(chunks[c][picks[(picks >= starts[c]) & (picks < starts[c + 1])] - starts[c]])
+            for c in range(len(chunks))])
         index.train(np.ascontiguousarray(sample, dtype=np.float32))
     with tqdm(total=n, unit="vec", desc=f"index {spec}", disable=not progress) as bar:
         for c in chunks:
@@ -153,7 +154,8 @@ class FaissIndex:
         """q [Q, D] → (scores [Q, k] float32, rows [Q, k] int64) on ``self.device``."""
         kk = min(k, self.ntotal)
         if q.shape[0] == 0 or kk == 0:
-            return _pad(torch.empty(q.shape[0], 0, device=self.device), torch.empty(q.shape[0], 0, dtype=torch.long, device=self.device), k)
+            return _pad(torch.empty(q.shape[0], 0, device=self.device),
+                        torch.empty(q.shape[0], 0, dtype=torch.long, device=self.device), k)
         if self.on_gpu:
             import faiss.contrib.torch_utils  # noqa: F401  (lets a GPU index read CUDA tensors in place)
             s, i = self.index.search(q.to(self.device, torch.float32).contiguous(), kk)
@@ -204,7 +206,8 @@ class TorchFlatIndex:
         q = q.to(self.device, torch.float32)
         kk = min(self.ntotal, 2 * k + 8 if self.rescore else k)
         if q.shape[0] == 0 or kk == 0:
-            return _pad(torch.empty(q.shape[0], 0, device=self.device), torch.empty(q.shape[0], 0, dtype=torch.long, device=self.device), k)
+            return _pad(torch.empty(q.shape[0], 0, device=self.device),
+                        torch.empty(q.shape[0], 0, dtype=torch.long, device=self.device), k)
         s, i = self._scan(q, kk)
         if self.rescore:
             exact = torch.einsum("qd,qkd->qk", q, self.emb[i].float())     # [Q, kk] float32
@@ -229,7 +232,9 @@ class ShardedIndex:
         """q [Q, D] → (scores [Q, k], rows [Q, k]) on ``self.device``; rows are global."""
         # FAISS releases the GIL in search, so threads overlap shards; torch shards on
         # different GPUs overlap anyway because their kernels launch asynchronously.
-        run = (lambda sh: sh.search(q, k))
+        def run(shard):
+            return shard.search(q, k)
+
         parts = list(self._pool.map(run, self.shards)) if self._pool else [run(sh) for sh in self.shards]
         scores = torch.stack([s.to(self.device, non_blocking=True) for s, _ in parts])   # [S, Q, k]
         rows = torch.stack([torch.where(r >= 0, r + off, r).to(self.device, non_blocking=True)
@@ -305,7 +310,8 @@ def load_index(path: str, index_type: str = "flat", device: str = "cpu", dtype: 
     shards = []
     for dev, (s, e) in zip(devices, shard_bounds(len(vectors), len(devices))):
         half = dtype in (None, torch.float16, torch.bfloat16)
-        shards.append(_faiss_gpu_shard(vectors[s:e], dev, half) if use_faiss else TorchFlatIndex(vectors[s:e], dev, dtype))
+        shards.append(_faiss_gpu_shard(vectors[s:e], dev, half) if use_faiss
+                      else TorchFlatIndex(vectors[s:e], dev, dtype))
     return shards[0] if len(shards) == 1 else ShardedIndex(shards, devices[0])
 
 
@@ -399,7 +405,8 @@ class ExactTiesIndex:
         return scores, rows
 
     def _candidates(self, q: torch.Tensor, k: int, kk: int, margin: torch.Tensor):
-        """The top k of ``kk`` candidates: (scores [Q, k], rows [Q, k], unsure [Q]: a better or tied row may be missing)."""
+        """The top k of ``kk`` candidates: (scores [Q, k], rows [Q, k], unsure [Q]: a better or tied row may
+        be missing)."""
         scan, cand = self.inner.search(q, kk)
         scan, cand = scan.to(self.device), cand.to(self.device)
         exact = scan if self.vectors is None else self._rescore(q, cand)

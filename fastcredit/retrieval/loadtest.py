@@ -182,8 +182,8 @@ async def _slow_client(url: str, c: int, deadline: float, stats: _Stats, limits:
     server's ``linger_s`` for a body)."""
     parsed = urllib.parse.urlparse(url)
     body = json.dumps({"queries": ["river castle"], "topk": 1}).encode()
-    head = (f"POST {parsed.path} HTTP/1.1\r\nHost: {parsed.hostname}:{parsed.port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    head = (f"POST {parsed.path} HTTP/1.1\r\nHost: {parsed.hostname}:{parsed.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     i = c
     while time.perf_counter() < deadline:
         kind = SLOW_KINDS[i % len(SLOW_KINDS)]
@@ -281,7 +281,8 @@ async def run_load_test(url: str, pool: Sequence[str], clients: int = 64, durati
         "p50_ms": _pct(stats.latency_ms, 50), "p99_ms": _pct(stats.latency_ms, 99),
         "long_p50_ms": _pct(stats.long_latency_ms, 50), "long_p99_ms": _pct(stats.long_latency_ms, 99),
         "slow_cut_max_s": round(max(stats.slow_cut_s, default=0.0), 2), **c,
-        "passed": c["ok"] > 0 and all(c[k] == 0 for k in ("wrong", "server_errors", "lost", "unexpected", "slow_not_cut")),
+        "passed": c["ok"] > 0 and all(c[k] == 0
+                                      for k in ("wrong", "server_errors", "lost", "unexpected", "slow_not_cut")),
         "problems": stats.problems,
     }
 
@@ -293,7 +294,8 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--url", default="http://127.0.0.1:8000/retrieve")
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--long-clients", type=int, default=0, help="clients whose queries run to thousands of characters")
-    p.add_argument("--long-chars", type=int, default=4000, help="characters per long query (keep under --max-query-chars)")
+    p.add_argument("--long-chars", type=int, default=4000,
+                   help="characters per long query (keep under --max-query-chars)")
     p.add_argument("--slow-clients", type=int, default=0, help="raw connections that go idle or drip a head or body")
     p.add_argument("--duration", type=float, default=3.0, help="seconds of load (bounded: at most 300)")
     p.add_argument("--queries", default=None, help="file with one query per line (default: 200 generated ones)")

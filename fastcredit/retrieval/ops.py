@@ -44,7 +44,8 @@ def merge_topk_torch(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[t
     return flat_s.gather(1, order), flat_i.gather(1, order)
 
 
-def merge_topk(scores: torch.Tensor, ids: torch.Tensor, k: int, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def merge_topk(scores: torch.Tensor, ids: torch.Tensor, k: int,
+               impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Merge per-shard top-k results into a global top-k.
 
     scores float32 [S, Q, K], each row sorted descending (as FAISS and ``torch.topk`` return
@@ -145,16 +146,19 @@ def assemble_observations(tokens: torch.Tensor, offsets: torch.Tensor, rows: tor
         raise ValueError(f"rows must be [queries, k], got {tuple(rows.shape)}")
     header_offsets = _as(header_offsets, torch.int64, device, "header_offsets")
     if header_offsets.numel() < rows.shape[1] + 1:
-        raise ValueError(f"header_offsets has {header_offsets.numel()} entries; k={rows.shape[1]} needs {rows.shape[1] + 1}")
+        raise ValueError(f"header_offsets has {header_offsets.numel()} entries; "
+                         f"k={rows.shape[1]} needs {rows.shape[1] + 1}")
     tokens, offsets = _as(tokens, torch.int32, device, "tokens"), _as(offsets, torch.int64, device, "offsets")
     headers = _as(headers, torch.int32, device, "headers")
-    prefix, sep, suffix = (_as(x, torch.int32, device, n) for x, n in ((prefix, "prefix"), (sep, "sep"), (suffix, "suffix")))
+    prefix, sep, suffix = (_as(x, torch.int32, device, n)
+                           for x, n in ((prefix, "prefix"), (sep, "sep"), (suffix, "suffix")))
     cap = -1 if max_passage_tokens is None else int(max_passage_tokens)
     limit = -1 if max_obs_tokens is None else int(max_obs_tokens)
     if max_passage_tokens is not None and cap < 0:
         raise ValueError(f"max_passage_tokens must be >= 0 or None, got {max_passage_tokens}")
     if max_obs_tokens is not None and limit < prefix.numel() + suffix.numel():
-        raise ValueError(f"max_obs_tokens={max_obs_tokens} cannot hold the wrappers ({prefix.numel() + suffix.numel()} tokens)")
+        raise ValueError(f"max_obs_tokens={max_obs_tokens} cannot hold the wrappers "
+                         f"({prefix.numel() + suffix.numel()} tokens)")
     if _use_cuda(impl, tokens, rows):
         return torch.ops.fastcredit.assemble_observations(tokens, offsets, rows, headers, header_offsets,
                                                           prefix, sep, suffix, cap, limit)

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from fastcredit.distributed.devices import bind_thread, hand_over, record, side_stream
+from fastcredit.runtime.devices import bind_thread, hand_over, record, side_stream
 from fastcredit.distributed.process_group import serves
 from fastcredit.retrieval.ops import merge_topk
 

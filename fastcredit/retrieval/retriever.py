@@ -56,7 +56,8 @@ class Retriever:
     def __init__(self, corpus: CorpusStore, index, encoder: Encoder, tokenizer=None, token_store=None,
                  token_device=None):
         if index.ntotal != len(corpus):
-            raise ValueError(f"index has {index.ntotal} vectors but corpus store {corpus.root} has {len(corpus)} passages")
+            raise ValueError(f"index has {index.ntotal} vectors but corpus store {corpus.root} "
+                             f"has {len(corpus)} passages")
         if index.dim != encoder.dim:
             raise ValueError(f"index vectors have {index.dim} dims but encoder {encoder.name} gives {encoder.dim}")
         self.corpus, self.index, self.encoder = corpus, index, encoder
@@ -88,7 +89,8 @@ class Retriever:
 
     def _require_tokens(self) -> None:
         if self.token_store is None or self.template is None:
-            raise ValueError("token observations need a tokenizer (and its token store): pass tokenizer= to open_retriever")
+            raise ValueError("token observations need a tokenizer (and its token store): "
+                             "pass tokenizer= to open_retriever")
 
     def observation_tokens(self, queries: Optional[Sequence[str]], k: int, max_passage_tokens: Optional[int] = None,
                            max_obs_tokens: Optional[int] = None, rows: Optional[torch.Tensor] = None):
@@ -100,7 +102,8 @@ class Retriever:
         if rows is None:
             rows = self.search_rows(queries, k)[1]
         tokens, offsets = self.token_store.tensors(self.token_device)
-        return assemble_observations(tokens, offsets, rows.to(self.token_device), **self.template.tensors(rows.shape[1], self.token_device),
+        return assemble_observations(tokens, offsets, rows.to(self.token_device),
+                                     **self.template.tensors(rows.shape[1], self.token_device),
                                      max_passage_tokens=max_passage_tokens, max_obs_tokens=max_obs_tokens)
 
     def observations(self, queries: Sequence[str], k: int, max_passage_tokens: Optional[int] = None,
@@ -119,7 +122,8 @@ def _check_encoder(info: Optional[dict], encoder: Encoder, where: str) -> None:
     built = info.get("encoder", {})
     for key in ("pooling", "passage_prefix", "max_length", "dim", "normalize"):
         if key in built and built[key] != encoder.fingerprint()[key]:
-            log.warning("%s: passages were encoded with %s=%r, queries use %r", where, key, built[key], encoder.fingerprint()[key])
+            log.warning("%s: passages were encoded with %s=%r, queries use %r", where, key, built[key],
+                        encoder.fingerprint()[key])
 
 
 def default_index_dir(corpus: str) -> str:
@@ -151,7 +155,8 @@ def open_retriever(corpus: Optional[str] = None, index: Optional[str] = None, en
     if world_size > 1:
         check_splittable(index_type)  # before anything loads
     dev = resolve_device(device)
-    enc = Encoder.from_pretrained(encoder, pooling, query_prefix, passage_prefix, max_length, batch_size, str(dev), dtype)
+    enc = Encoder.from_pretrained(encoder, pooling, query_prefix, passage_prefix, max_length, batch_size, str(dev),
+                                  dtype)
     if index is None or not os.path.exists(index):
         if corpus is None:
             raise ValueError(f"index {index!r} does not exist and no corpus jsonl was given to build it from")
@@ -212,8 +217,9 @@ def from_config(rcfg, tokenizer=None, corpus: Optional[str] = None, progress: bo
         where = default_index_dir(rcfg.corpus or corpus)
         if not os.path.exists(os.path.join(where, "build.json")):
             log.warning("retrieval.index is unset: building the index of %s into %s", rcfg.corpus or corpus, where)
-    extra = {name: getattr(rcfg, name) for name in ("dtype", "max_length", "num_shards", "nprobe", "ef_search", "store_dir",
-                                                    "round_cadence_ms") if getattr(rcfg, name, None) is not None}
+    extra = {name: getattr(rcfg, name)
+             for name in ("dtype", "max_length", "num_shards", "nprobe", "ef_search", "store_dir", "round_cadence_ms")
+             if getattr(rcfg, name, None) is not None}
     split = rcfg.across_ranks == "shard" and world_size > 1
     return open_retriever(corpus=rcfg.corpus or corpus, index=rcfg.index, encoder=rcfg.encoder, pooling=rcfg.pooling,
                           query_prefix=rcfg.query_prefix, passage_prefix=rcfg.passage_prefix,

@@ -149,9 +149,11 @@ def make_app(batch_fn: Callable[[list], list], limits: Optional[ServerLimits] = 
 def _parser() -> argparse.ArgumentParser:
     d = ServerLimits()
     p = argparser("python -m fastcredit.retrieval.serve", __doc__)
-    p.add_argument("--index", default=None, help="FAISS index file (Search-R1's e5_Flat.index) or a fastcredit build folder")
+    p.add_argument("--index", default=None,
+                   help="FAISS index file (Search-R1's e5_Flat.index) or a fastcredit build folder")
     p.add_argument("--corpus", default=None, help="corpus jsonl (needed unless --index is a build folder)")
-    add_encoder_args(p, query_prefix_help="E5: 'query: '", passage_prefix_help="E5: 'passage: ' (only used when building)")
+    add_encoder_args(p, query_prefix_help="E5: 'query: '",
+                     passage_prefix_help="E5: 'passage: ' (only used when building)")
     p.add_argument("--max-length", type=int, default=256, help="encoder tokens per passage when building an index")
     p.add_argument("--max-query-tokens", type=int, default=None,
                    help="encoder tokens per query, prefix included; longer queries are truncated as Search-R1's "

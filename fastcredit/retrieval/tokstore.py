@@ -112,7 +112,8 @@ class TokenStore:
                                   f"not for {getattr(tokenizer, 'name_or_path', '?')!r} (fingerprints differ)")
         self.root = root
         tok_path = os.path.join(root, "tokens.bin")
-        self.tokens = np.memmap(tok_path, dtype=np.int32, mode="r") if os.path.getsize(tok_path) else np.zeros(0, np.int32)
+        self.tokens = np.memmap(tok_path, dtype=np.int32, mode="r") if os.path.getsize(tok_path) \
+            else np.zeros(0, np.int32)
         self.offsets = np.load(os.path.join(root, "offsets.npy"), mmap_mode="r")
         if len(self.offsets) != self.meta["num_passages"] + 1 or int(self.offsets[-1]) != len(self.tokens):
             raise TokenStoreError(f"{root}: offsets.npy and tokens.bin disagree; rebuild the store")
@@ -139,7 +140,8 @@ class TokenStore:
         if key not in self._device_cache:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # the memory maps are read-only; they are only read
-                tokens = torch.from_numpy(np.asarray(self.tokens)) if len(self.tokens) else torch.zeros(0, dtype=torch.int32)
+                tokens = torch.from_numpy(np.asarray(self.tokens)) if len(self.tokens) \
+                    else torch.zeros(0, dtype=torch.int32)
                 offsets = torch.from_numpy(np.asarray(self.offsets))
             if device.type != "cpu":
                 tokens, offsets = tokens.to(device), offsets.to(device)

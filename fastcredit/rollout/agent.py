@@ -299,7 +299,8 @@ def _stats(episodes: list[Episode], seconds: float, search_calls: int, activity:
     return {"turns_per_traj": len(kinds) / B, "searches_per_traj": kinds.count(TurnKind.SEARCH) / B,
             "invalid_per_traj": kinds.count(TurnKind.INVALID) / B,
             "truncated_frac": kinds.count(TurnKind.TRUNCATED) / B,
-            "response_tokens_mean": tokens / B, "rollout_s": seconds, "trajectories_per_s": len(episodes) / max(seconds, 1e-9),
+            "response_tokens_mean": tokens / B, "rollout_s": seconds,
+            "trajectories_per_s": len(episodes) / max(seconds, 1e-9),
             "retrieval_batches": search_calls, **activity.stats(len(episodes))}
 
 

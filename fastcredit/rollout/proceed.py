@@ -19,7 +19,7 @@ import asyncio
 import math
 from typing import Callable, Optional, Sequence
 
-from fastcredit.distributed.devices import on_device
+from fastcredit.runtime.devices import on_device
 from fastcredit.rollout.agent import AgentLoop, Episode
 from fastcredit.rollout.engines.base import GenOutput, SamplingParams
 

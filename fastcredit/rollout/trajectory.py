@@ -207,7 +207,8 @@ def _check_segments(b: TrajectoryBatch, cu: torch.Tensor) -> None:
     is_last[last] = True
     if bool((ending & ~is_last).any()):
         s = int(torch.nonzero(ending & ~is_last)[0])
-        raise TrajectoryError(f"turn {s} is {TurnKind(int(kind[s])).name.lower()} but not the last of trajectory {int(traj[s])}")
+        raise TrajectoryError(f"turn {s} is {TurnKind(int(kind[s])).name.lower()} "
+                              f"but not the last of trajectory {int(traj[s])}")
     if bool((is_last & ~ending).any()):
         s = int(torch.nonzero(is_last & ~ending)[0])
         raise TrajectoryError(
@@ -390,7 +391,7 @@ def concat(batches: Sequence[TrajectoryBatch]) -> TrajectoryBatch:
         f1_B=cat("f1_B"),
         format_ok_B=cat("format_ok_B"),
         predictions=[p for b in batches for p in b.predictions],
-        rollout_logp_N=None if any(l is None for l in logps) else torch.cat(logps),
+        rollout_logp_N=None if any(lp is None for lp in logps) else torch.cat(logps),
     )
 
 

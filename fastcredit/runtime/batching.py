@@ -20,7 +20,7 @@ import itertools
 import logging
 from typing import Callable, Optional, Sequence
 
-from fastcredit.distributed.devices import current_device, device_executor
+from fastcredit.runtime.devices import current_device, device_executor
 
 log = logging.getLogger(__name__)
 

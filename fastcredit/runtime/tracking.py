@@ -16,7 +16,7 @@ import math
 import os
 import sys
 import time
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 
 def _seconds(v: float) -> str:
@@ -271,16 +271,18 @@ def _panel(ax, rows: list[dict], name: str, left: list[str], right: list[str]) -
     top.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.1 if right else 1.01, 1.0))
 
 
-def metrics_figure(rows: list[dict], first: Optional[Iterable[str]] = None, title: str = ""):
-    """A matplotlib figure of ``rows`` (:func:`read_metrics`): one panel per entry of :data:`PANELS` that has
-    data, over a shared step axis; ``first`` replaces the first panel's keys. Each panel's own axes carry its
+def metrics_figure(rows: list[dict], first: Optional[Iterable[str]] = None, title: str = "",
+                   panels: Optional[Sequence] = None):
+    """A matplotlib figure of ``rows`` (:func:`read_metrics`): one panel per entry of ``panels`` (default
+    :data:`PANELS`: ``(name, left keys, right keys)``, ``prefix/*`` for every key below it) that has data,
+    over a shared step axis; ``first`` replaces the first panel's keys. Each panel's own axes carry its
     title (a right axis does not)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    specs = list(PANELS)
+    specs = list(PANELS if panels is None else panels)
     if first is not None:
         specs[0] = (specs[0][0], tuple(first), ())
     logged = {k for r in rows for k, v in r.items() if k != "step" and _finite(v)}

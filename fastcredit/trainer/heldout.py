@@ -14,7 +14,8 @@ import time
 from typing import Iterable, Sequence
 
 from fastcredit.config import ConfigError
-from fastcredit.data.loaders import DataError, QAExample, atomic_output
+from fastcredit.data.loaders import DataError, QAExample
+from fastcredit.runtime.files import atomic_output
 from fastcredit.credit.rewards import score_trajectory
 
 # Search-R1's seven test sets in its tables' order (General QA, then multi-hop QA).

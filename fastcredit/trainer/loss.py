@@ -1,10 +1,10 @@
-"""The policy and value losses, and the one place that dispatches every fused op.
+"""The policy and value losses.
 
-``policy_loss`` (the turn-level surrogate) and ``linear_logprob`` (hidden states × LM head
-→ log-prob and entropy) each run a Triton kernel of ``fastcredit.kernels`` or their torch
-reference, as ``fastcredit.kernels._dispatch`` decides from ``impl=``,
-``$FASTCREDIT_LOSS_IMPL`` and ``loss.impl``. The torch references here are what the
-kernels must match.
+``policy_loss`` (the turn-level surrogate) runs the Triton kernel of
+``fastcredit.kernels.turn_surrogate`` or its torch reference here, as
+``fastcredit.kernels._dispatch`` decides from ``impl=``, ``$FASTCREDIT_LOSS_IMPL`` and
+``loss.impl`` (the LM head's fused log-prob dispatches the same way, in
+``fastcredit.models.logprob``). The torch reference here is what the kernel must match.
 
 Legend (shape suffixes):
     N  packed tokens of one micro-batch (observations included; they never count)
@@ -52,7 +52,6 @@ from fastcredit.config.loss import LossConfig
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "turn-mean")
 # The fused ops: (module, function), each with the signature of its torch reference here.
 KERNEL_MODULE, KERNEL_FN = "fastcredit.kernels.turn_surrogate", "turn_surrogate_loss"
-LOGPROB_MODULE, LOGPROB_FN = "fastcredit.kernels.linear_logprob", "linear_logprob_triton"
 
 
 @dataclass
@@ -209,24 +208,6 @@ def policy_loss(logp_N: torch.Tensor, old_logp_N: torch.Tensor, seg_id_N: torch.
     kernel = pick_kernel(resolve(impl, cfg.impl), logp_N, KERNEL_MODULE, KERNEL_FN)
     fn = policy_loss_torch if kernel is None else kernel
     return fn(logp_N, old_logp_N, seg_id_N, seg_traj_S, counts, cfg, **kwargs)
-
-
-def linear_logprob(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, target_N: torch.Tensor,
-                   temperature: float = 1.0, impl: Optional[str] = None,
-                   configured: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logp_N, entropy_N)`` in fp32 of ``softmax(hidden_NH @ weight_VHᵀ / temperature)`` at ``target_N``.
-
-    hidden [N, H], weight [V, H] (an LM head, or a tied embedding: autograd adds the two
-    gradients), target [N] int; a target outside ``[0, V)`` gives logp 0. Differentiable
-    in hidden and weight. The fused kernel never writes the ``[N, V]`` logits; the torch
-    reference (``linear_logprob_naive``) does. ``impl`` / ``configured`` (``loss.impl``):
-    as for :func:`policy_loss`.
-    """
-    from fastcredit.kernels.linear_logprob.naive import linear_logprob_naive
-
-    kernel = pick_kernel(resolve(impl, configured), hidden_NH, LOGPROB_MODULE, LOGPROB_FN)
-    fn = linear_logprob_naive if kernel is None else kernel
-    return fn(hidden_NH, weight_VH, target_N, temperature)
 
 
 def value_loss(values_N: torch.Tensor, old_values_N: torch.Tensor, returns_N: torch.Tensor, seg_id_N: torch.Tensor,

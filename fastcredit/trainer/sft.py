@@ -22,13 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from fastcredit.data.loaders import QAExample
+from fastcredit.runtime.files import atomic_output
 
 # observe(query) -> observation token ids (e.g. a retriever's top-k, formatted as Search-R1 does)
 Observer = Callable[[str], list[int]]
 
 
-def oracle_token_turns(example: QAExample, tokenizer, observe: Observer,
-                       rng: Optional[random.Random] = None, actions: Optional[Callable] = None) -> list[tuple[list[int], list[int]]]:
+def oracle_token_turns(example: QAExample, tokenizer, observe: Observer, rng: Optional[random.Random] = None,
+                       actions: Optional[Callable] = None) -> list[tuple[list[int], list[int]]]:
     """``(action ids, observation ids)`` per turn of the oracle trajectory; the answer turn has no observation.
 
     ``actions(example, rng) -> [(action text, query or None)]``: the turns' texts (default:
@@ -70,7 +71,7 @@ def _batches(seqs, batch_size: int, pad_id: int, rng: random.Random):
         yield ids, labels, mask
 
 
-def _labelled_cross_entropy(model, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def labelled_cross_entropy(model, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over labelled positions, with the LM head applied only there.
 
     Actions are a small share of an oracle trajectory (prompt and observations are context),
@@ -93,7 +94,8 @@ def sft_train(model, seqs: list[tuple[list[int], list[int]]], pad_id: int, epoch
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     steps = epochs * math.ceil(len(seqs) / batch_size)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / max(steps, 1), 1.0))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / max(steps, 1), 1.0))))
     model.train()
     history = []
     bar = tqdm(total=steps, desc="warm start (SFT)", disable=not progress, leave=False)
@@ -101,7 +103,7 @@ def sft_train(model, seqs: list[tuple[list[int], list[int]]], pad_id: int, epoch
         total, n = 0.0, 0
         for ids, labels, mask in _batches(seqs, batch_size, pad_id, rng):
             ids, labels, mask = ids.to(device), labels.to(device), mask.to(device)
-            loss = _labelled_cross_entropy(model, ids, labels, mask)
+            loss = labelled_cross_entropy(model, ids, labels, mask)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -155,7 +157,6 @@ def cached_warm_start(model, folder: Optional[str], fingerprint: str, run: Calla
     say(run())
     if path:
         os.makedirs(folder, exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
-        os.replace(tmp, path)
+        with atomic_output(path) as tmp:
+            torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
         say(f"warm start: saved to {path}")

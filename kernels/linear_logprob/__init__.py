@@ -1,7 +1,7 @@
 """Fused linear log-prob: ``(hidden_NH @ weight_VHᵀ) / T`` → per-token target log-prob and entropy.
 
 ``linear_logprob_triton`` always runs the Triton kernels and ``linear_logprob_naive`` is the
-torch reference; ``fastcredit.trainer.loss.linear_logprob`` chooses between the two
+torch reference; ``fastcredit.models.logprob.linear_logprob`` chooses between the two
 (``fastcredit.kernels._dispatch``).
 """
 from .naive import linear_logprob_naive

@@ -12,7 +12,7 @@ from fastcredit.credit import CreditInputs, compute_advantages, get_estimator
 from fastcredit.config.credit import CreditConfig
 from fastcredit.rollout.trajectory import Turn, from_turns
 
-S, A, I, T = "search", "answer", "invalid", "truncated"
+S, A, INV, T = "search", "answer", "invalid", "truncated"
 # The GRPO advantage of a (1, 0, 0, 1) group: mean 0.5, unbiased std sqrt(1/3) = 0.5773503,
 # Â = ±0.5 / (0.5773503 + 1e-6) = ±0.8660239.
 A4 = 0.5 / (math.sqrt(1 / 3) + 1e-6)
@@ -69,7 +69,7 @@ def test_grpo_single_sample_group_and_dr_grpo():
 def _critic_batch(ok=(True, True)):
     # Trajectory 0 (r = 1): search Good, search Bad, invalid, search Good, answer.
     # Trajectory 1 (r = 0): search Bad, truncated.
-    layouts = [[(S, 1, 1), (S, 1, 1), (I, 1, 1), (S, 1, 1), (A, 1, 0)], [(S, 2, 1), (T, 1, 0)]]
+    layouts = [[(S, 1, 1), (S, 1, 1), (INV, 1, 1), (S, 1, 1), (A, 1, 0)], [(S, 2, 1), (T, 1, 0)]]
     labels = [1, 0, 1, 1, 0, 0, 1]  # the invalid turn's and final turns' labels are ignored
     return _inputs(layouts, [1.0, 0.0], em=[1.0, 0.0], critic_label_S=labels, critic_ok_B=list(ok))
 

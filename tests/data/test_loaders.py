@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from fastcredit.data.loaders import (
     DataError,
     QAExample,
-    atomic_output,
     iter_corpus,
     load_flashrag_jsonl,
     load_qa,
@@ -45,7 +44,8 @@ def _searchr1_row(i, question, answers, source="nq", **extra):
 def test_searchr1_parquet_layout(tmp_path):
     # As nq_search.py writes it: FlashRAG's columns kept, Search-R1's added; hotpotqa rows carry metadata.
     rows = [_searchr1_row(0, "who wrote hamlet?", ["Shakespeare", "William Shakespeare"], metadata=None),
-            _searchr1_row(1, "which city is older?", ["Rome"], "hotpotqa", metadata={"type": "comparison", "level": "hard"})]
+            _searchr1_row(1, "which city is older?", ["Rome"], "hotpotqa",
+                          metadata={"type": "comparison", "level": "hard"})]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
     a, b = load_qa(str(tmp_path / "a.parquet"))
     assert (a.id, a.question, a.golden_answers, a.data_source) == (
@@ -67,7 +67,8 @@ def test_numpy_answers_become_lists_of_str():
     assert ex.golden_answers == ["a", "b"] and all(type(a) is str for a in ex.golden_answers)
     ex = parse_example({"question": "q", "reward_model": {"ground_truth": {"target": np.array(["x"])}}}, "here", 3)
     assert (ex.id, ex.golden_answers) == ("3", ["x"])
-    assert parse_example({"question": "q", "golden_answers": ["1998", 1998]}, "here", 0).golden_answers == ["1998", "1998"]
+    ex = parse_example({"question": "q", "golden_answers": ["1998", 1998]}, "here", 0)
+    assert ex.golden_answers == ["1998", "1998"]
 
 
 _text = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=20).filter(lambda s: s.strip())
@@ -125,13 +126,19 @@ def test_flashrag_jsonl(tmp_path):
     (["", {"question": "q"}], r"line 2: missing field 'golden_answers'"),
     ([{"question": "q", "golden_answers": []}], r"line 1: field 'golden_answers' must be a non-empty list"),
     ([{"question": "q", "golden_answers": 7}], r"line 1: field 'golden_answers' must be a non-empty list"),
-    ([{"question": "q", "golden_answers": ["a", {"b": 1}]}], r"line 1: field 'golden_answers' must hold strings, got dict"),
+    ([{"question": "q", "golden_answers": ["a", {"b": 1}]}],
+     r"line 1: field 'golden_answers' must hold strings, got dict"),
     ([{"question": "q", "golden_answers": [True]}], r"field 'golden_answers' must hold strings, got bool"),
-    ([{"id": [1], "question": "q", "golden_answers": ["a"]}], r"line 1: field 'id' must be a string or an integer, got list"),
-    ([{"id": True, "question": "q", "golden_answers": ["a"]}], r"field 'id' must be a string or an integer, got bool"),
-    ([{"question": "q", "golden_answers": ["a"], "data_source": 3}], r"line 1: field 'data_source' must be a string"),
-    ([{"question": "q", "golden_answers": ["a"], "metadata": [1]}], r"line 1: field 'metadata' must be a mapping, got list"),
-    ([{"question": "q", "golden_answers": ["a"], "metadata": "{x"}], r"field 'metadata' is a string but not valid JSON"),
+    ([{"id": [1], "question": "q", "golden_answers": ["a"]}],
+     r"line 1: field 'id' must be a string or an integer, got list"),
+    ([{"id": True, "question": "q", "golden_answers": ["a"]}],
+     r"field 'id' must be a string or an integer, got bool"),
+    ([{"question": "q", "golden_answers": ["a"], "data_source": 3}],
+     r"line 1: field 'data_source' must be a string"),
+    ([{"question": "q", "golden_answers": ["a"], "metadata": [1]}],
+     r"line 1: field 'metadata' must be a mapping, got list"),
+    ([{"question": "q", "golden_answers": ["a"], "metadata": "{x"}],
+     r"field 'metadata' is a string but not valid JSON"),
 ])
 def test_jsonl_errors_name_line_and_field(tmp_path, rows, message):
     with pytest.raises(DataError, match=message):
@@ -165,7 +172,8 @@ def test_parquet_errors_name_row_and_field(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "r.parquet")
     with pytest.raises(DataError, match=r"r\.parquet row 1: missing field 'question'"):
         load_qa(str(tmp_path / "r.parquet"))
-    pq.write_table(pa.Table.from_pylist([{"question": "q", "golden_answers": [1.5], "id": 2.5}]), tmp_path / "s.parquet")
+    pq.write_table(pa.Table.from_pylist([{"question": "q", "golden_answers": [1.5], "id": 2.5}]),
+                   tmp_path / "s.parquet")
     with pytest.raises(DataError, match=r"s\.parquet row 0: field 'id' must be a string or an integer, got float"):
         load_qa(str(tmp_path / "s.parquet"))
 
@@ -221,18 +229,3 @@ def test_corpus_errors_stream(tmp_path, row, message):
     assert next(rows) == next(rows) == ("0", "T", "t")  # the good lines come out before the bad one is read
     with pytest.raises(DataError, match=message):
         next(rows)
-
-
-def test_atomic_output_keeps_the_old_file_on_failure(tmp_path):
-    target = tmp_path / "f.txt"
-    target.write_text("old")
-    with pytest.raises(RuntimeError):
-        with atomic_output(str(target)) as tmp:
-            with open(tmp, "w") as fh:
-                fh.write("half")
-            raise RuntimeError("writer died")
-    assert target.read_text() == "old" and os.listdir(tmp_path) == ["f.txt"]
-    with atomic_output(str(target)) as tmp:
-        with open(tmp, "w") as fh:
-            fh.write("new")
-    assert target.read_text() == "new" and os.listdir(tmp_path) == ["f.txt"]

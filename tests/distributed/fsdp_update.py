@@ -19,7 +19,8 @@ import sys
 
 import torch
 
-from fastcredit.trainer.update import PolicyModel, UpdateData, forward_logprobs, ppo_update
+from fastcredit.models.packed import PolicyModel, forward_logprobs
+from fastcredit.trainer.update import UpdateData, ppo_update
 from fastcredit.config import OptimConfig
 from fastcredit.credit import CreditInputs, compute_advantages
 from fastcredit.config.credit import CreditConfig
@@ -65,10 +66,10 @@ def main(out: str) -> None:
     policy = _engine(PolicyModel(lm), info, os.environ.get("ENGINE", "fsdp2"))
     cfg_loss = LossConfig(agg_mode=os.environ.get("AGG", "turn-mean"), kl_coef=0.0)
     max_over = (lambda n: n) if not info.distributed else _max_over
-    old, _ = forward_logprobs(policy, prompts, batch, 0, "cpu", 24, max_over_ranks=max_over)
+    old, _ = forward_logprobs(policy, prompts, batch, "cpu", 24, max_over_ranks=max_over)
     credit = compute_advantages("grpo", CreditInputs.from_batch(batch, reward), CreditConfig())
     optim = OptimConfig(micro_batch_tokens=24, ppo_epochs=int(os.environ.get("EPOCHS", "1")), grad_clip=100.0)
-    m = ppo_update(policy, UpdateData(prompts, batch, credit, old), cfg_loss, optim, "cpu", 0,
+    m = ppo_update(policy, UpdateData(prompts, batch, credit, old), cfg_loss, optim, "cpu",
                    dp_size=info.world_size, reduce=lambda t: all_reduce_sum(t, info), max_over_ranks=max_over,
                    groups_per_mini=4 // info.world_size)  # the whole batch is one mini-batch
     params = {k: v.clone() for k, v in policy.full_state()}

@@ -100,7 +100,7 @@ def max_over_ranks_dict(d: dict, info) -> dict:
 
 def check_rank0_loading(info, folder: str) -> dict:
     from fastcredit.trainer import parts as C
-    from fastcredit.trainer.update import PolicyModel, ValueModel
+    from fastcredit.models.packed import PolicyModel, ValueModel
     from fastcredit.config import TrainConfig
     from fastcredit.distributed.build import build_train_engine
     from fastcredit.distributed.engine import adamw
@@ -126,8 +126,9 @@ def check_rank0_loading(info, folder: str) -> dict:
                 errs[key] = max(errs[key], float((t.float() - truth[name]).abs().max()))
     for name, t in engine_copy.state_dict().items():
         errs["hf_engine"] = max(errs["hf_engine"], float((t.float() - truth[name]).abs().max()))
-    out["params"] = {key: len(list(m.parameters())) for key, m in (("policy", policy.model), ("value", value.model),
-                                                                   ("reference", ref.module), ("hf_engine", engine_copy))}
+    out["params"] = {key: len(list(m.parameters()))
+                     for key, m in (("policy", policy.model), ("value", value.model),
+                                    ("reference", ref.module), ("hf_engine", engine_copy))}
     out["tied"] = engine_copy.get_output_embeddings().weight is engine_copy.get_input_embeddings().weight
     buffers = {n: b for n, b in policy.model.named_buffers()}
     inv = [b for n, b in buffers.items() if n.endswith("inv_freq")]

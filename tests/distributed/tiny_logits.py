@@ -1,11 +1,11 @@
 """A tiny Qwen2 policy whose forward maps plain ids to logits, shared by the one-process engine tests.
 
 The forward enters through the module the engine shards (FSDP2's root gathers the embeddings), so it is a
-:class:`~fastcredit.trainer.update.PolicyModel` with a plain-ids forward instead of the log-prob one.
+:class:`~fastcredit.models.packed.PolicyModel` with a plain-ids forward instead of the log-prob one.
 """
 import torch
 
-from fastcredit.trainer.update import PolicyModel
+from fastcredit.models.packed import PolicyModel
 
 
 class Logits(PolicyModel):

@@ -152,7 +152,8 @@ def test_oracle_labels_new_gold_facts(tmp_path):
     world = generate_world(ToyWorldConfig(num_people=60, num_companies=15, num_questions=30))
     ex = next(q for q in world.questions if len(q.metadata["hops"]) >= 2)
     gold = ex.metadata["hops"][0]["passage_ids"][:1]
-    steps = [StepText("search", "<search>a</search>", "o", "a", gold), StepText("search", "<search>a</search>", "o", "a", gold),
+    steps = [StepText("search", "<search>a</search>", "o", "a", gold),
+             StepText("search", "<search>a</search>", "o", "a", gold),
              StepText("answer", f"<answer>{ex.golden_answers[0]}</answer>")]
     item = JudgeItem(ex.question, ex.golden_answers, steps, ex.golden_answers[0], 1.0, {"example": ex})
     labels, ok, _ = asyncio.run(CriticSearchCritic(OracleBackend()).score([item]))

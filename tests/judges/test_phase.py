@@ -1,7 +1,8 @@
-"""The judge phase and the config read an estimator's declared Needs, never its name."""
+"""The judge phase and the Needs check read an estimator's declared Needs, never its name."""
 import pytest
 
 from fastcredit.config import ConfigError, load_config
+from fastcredit.credit.needs import check_needs
 from fastcredit.credit.registry import NEEDS, estimator_needs
 from fastcredit.credit.types import Needs
 from fastcredit.judges.oracle import OracleBackend
@@ -20,16 +21,17 @@ def grpo_needs(monkeypatch):
 
 
 def test_validation_follows_the_declaration(grpo_needs):
-    load_config(None, ["credit.estimator=grpo"])
+    cfg = load_config(None, ["credit.estimator=grpo"])
+    check_needs(cfg)
     grpo_needs(judge="prm")
     with pytest.raises(ConfigError, match="credit.estimator=grpo needs a process reward model"):
-        load_config(None, ["credit.estimator=grpo"])
+        check_needs(cfg)
     grpo_needs(judge="critic")
     with pytest.raises(ConfigError, match="needs a critic"):
-        load_config(None, ["credit.estimator=grpo"])
+        check_needs(cfg)
     grpo_needs(proceed_rollout=True)
     with pytest.raises(ConfigError, match="rollout.proceed.enabled=true"):
-        load_config(None, ["credit.estimator=grpo"])
+        check_needs(cfg)
 
 
 def test_the_judge_phase_builds_the_declared_judge(grpo_needs):

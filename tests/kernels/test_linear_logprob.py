@@ -6,7 +6,7 @@ import torch
 from fastcredit.kernels._dispatch import IMPL_ENV
 from fastcredit.kernels.linear_logprob import LogprobConfig, linear_logprob_naive, linear_logprob_triton
 from fastcredit.kernels.linear_logprob.triton import gpu_config
-from fastcredit.trainer.loss import linear_logprob
+from fastcredit.models.logprob import linear_logprob
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

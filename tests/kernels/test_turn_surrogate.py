@@ -73,7 +73,7 @@ def run(fn, seg_id_N, seg_traj_S, x, cfg, grad_out, dp_size=2, **kw):
     ent = x.pop("entropy_N", None)
     ent = None if ent is None else ent.to(DEVICE).requires_grad_()
     x = {k: v.to(DEVICE) for k, v in x.items()}
-    counts = loss_counts(seg_id_N, seg_traj_S, x.get("loss_mask_N")) + ELSEWHERE
+    counts = loss_counts(seg_id_N.to(DEVICE), seg_traj_S.to(DEVICE), x.get("loss_mask_N")) + ELSEWHERE
     loss, metrics = fn(logp, x.pop("old_logp_N"), seg_id_N.to(DEVICE), seg_traj_S.to(DEVICE), counts, cfg,
                        entropy_N=ent, dp_size=dp_size, **x, **kw)
     inputs = [logp] + ([ent] if ent is not None else [])

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from fastcredit.config import load_config
-from fastcredit.config.checks import numeric_keys
-from fastcredit.prm.config import RANGES, PRMTrainConfig
+from fastcredit.config.ranges import field_ranges, numeric_keys
+from fastcredit.prm.config import PRMTrainConfig
 from fastcredit.prm.data import LabelledTrajectory, read_labelled, write_labelled
 from fastcredit.models.prm import prm_loss
 from fastcredit.prm.train import auc, eval_metrics, main, split_by_question
@@ -130,7 +130,7 @@ def test_held_out_split_keeps_every_row_and_no_question_in_both():
 
 
 def test_every_number_has_a_range_and_the_presets_load():
-    assert sorted(numeric_keys(PRMTrainConfig)) == sorted(RANGES)
+    assert sorted(numeric_keys(PRMTrainConfig)) == sorted(field_ranges(PRMTrainConfig))
     toy = load_config(os.path.join(ROOT, "configs", "prm.yaml"), root=PRMTrainConfig)
     qwen = load_config(os.path.join(ROOT, "configs", "prm_qwen.yaml"), root=PRMTrainConfig)
     assert toy.model.backbone == "tiny" and qwen.optim.lr == 5e-6 and qwen.optim.batch_size == 256
@@ -226,7 +226,8 @@ sys.exit(main(sys.argv[1:]))
 
 
 def train(data, out, *extra, entry=("-m", "fastcredit.prm.train"), env=None, check=True, resume=False):
-    cmd = [sys.executable, *entry, *(["--resume"] if resume else []), "--config", os.path.join(ROOT, "configs", "prm.yaml"),
+    cmd = [sys.executable, *entry, *(["--resume"] if resume else []),
+           "--config", os.path.join(ROOT, "configs", "prm.yaml"),
            f"data.train_path={data[0]}", f"data.test_path={data[1]}", f"logging.output_dir={out}",
            "optim.micro_batch_tokens=1024", "logging.checkpoint_every=10", "logging.progress=false", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,

@@ -15,7 +15,7 @@ import torch
 from fastcredit.credit.types import TurnKind
 from fastcredit.prm import serve
 from fastcredit.judges.prm_client import PiCARewardClient, RewardServerError, pica_text
-from fastcredit.prm.data import PRMSequence, pack
+from fastcredit.models.prm_inputs import PRMSequence, pack
 from fastcredit.models.prm import hazards
 from fastcredit.judges.prm import PRMScorer
 from fastcredit.rollout.agent import INVALID_OBSERVATION, StepInfo

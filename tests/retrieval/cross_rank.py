@@ -26,7 +26,8 @@ CADENCE_MS = 5.0
 
 
 def truth(x: np.ndarray, q: torch.Tensor, k: int):
-    """One flat index over every row: exact scores, best first, ties by lower row (np.lexsort, not the code under test)."""
+    """One flat index over every row: exact scores, best first, ties by lower row
+    (np.lexsort, not the code under test)."""
     s = exact_scores(q, torch.from_numpy(x).expand(q.shape[0], *x.shape)).numpy()          # [Q, N]
     order = np.lexsort((np.broadcast_to(np.arange(x.shape[0]), s.shape), -s))[:, :k]
     return torch.from_numpy(np.take_along_axis(s, order, 1)), torch.from_numpy(order).long()

@@ -67,7 +67,8 @@ def test_ids_that_are_row_numbers_need_no_table(tmp_path):
 
 def test_flashrag_rows_and_errors_name_the_line(tmp_path):
     p = tmp_path / "f.jsonl"
-    p.write_text(json.dumps({"id": 1, "title": "T", "text": "body"}) + "\n\n" + json.dumps({"id": 2, "contents": "\"U\"\nx"}) + "\n")
+    p.write_text(json.dumps({"id": 1, "title": "T", "text": "body"}) + "\n\n"
+                 + json.dumps({"id": 2, "contents": "\"U\"\nx"}) + "\n")
     store = build_corpus_store(str(p), str(tmp_path / "s"), progress=False)
     assert store.contents(0) == '"T"\nbody' and store.id(0) == "1" and len(store) == 2
     cases = {'{"id": 1, "contents": "a"}\n{"id": 2, "contents": \n': "line 2: invalid JSON",

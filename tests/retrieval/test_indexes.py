@@ -31,7 +31,8 @@ def same_up_to_ties(rows, scores, ref_rows, ref_scores, tol=1e-5):
     diff = rows != ref_rows
     if diff.any():
         s = ref_scores[diff]
-        assert np.all(np.isclose(s, np.roll(ref_scores, 1, 1)[diff], atol=tol) | np.isclose(s, np.roll(ref_scores, -1, 1)[diff], atol=tol))
+        assert np.all(np.isclose(s, np.roll(ref_scores, 1, 1)[diff], atol=tol)
+                      | np.isclose(s, np.roll(ref_scores, -1, 1)[diff], atol=tol))
 
 
 def test_flat_faiss_and_torch_are_exact(data):

@@ -26,7 +26,7 @@ typedef struct CUstream_st* cudaStream_t;
 enum { cudaSuccess = 0 };
 """
 
-HARNESS = r"""
+HARNESS = """
 #include <cstdint>
 struct Dim3Emu { unsigned int x = 0, y = 0, z = 0; };
 static Dim3Emu threadIdx, blockIdx, blockDim, gridDim;
@@ -55,15 +55,18 @@ static ObsPieces pieces(const int32_t* tokens, const int64_t* offsets, const int
 }
 
 extern "C" {
-void emu_merge_topk(const float* s, const int64_t* ids, int64_t S, int64_t Q, int64_t K, int64_t k, float* os, int64_t* oi) {
+void emu_merge_topk(const float* s, const int64_t* ids, int64_t S, int64_t Q, int64_t K, int64_t k, \
+float* os, int64_t* oi) {
   launch(Q, kMergeThreads, [&] { merge_topk_kernel(s, ids, S, Q, K, k, os, oi); });
 }
 void emu_obs(const int32_t* tokens, const int64_t* offsets, const int64_t* rows, const int32_t* headers,
              const int64_t* header_offsets, const int32_t* prefix, const int32_t* sep, const int32_t* suffix,
              int64_t q, int64_t k, int64_t p, int64_t e, int64_t f, int64_t cap, int64_t budget,
              int64_t* lengths, const int64_t* cu, int32_t* out, int phase) {
-  const ObsPieces ps = pieces(tokens, offsets, rows, headers, header_offsets, prefix, sep, suffix, q, k, p, e, f, cap, budget);
-  if (phase == 0) launch((q + kLengthThreads - 1) / kLengthThreads, kLengthThreads, [&] { obs_lengths_kernel(ps, lengths); });
+  const ObsPieces ps = pieces(tokens, offsets, rows, headers, header_offsets, prefix, sep, suffix, \
+q, k, p, e, f, cap, budget);
+  if (phase == 0) launch((q + kLengthThreads - 1) / kLengthThreads, kLengthThreads, \
+[&] { obs_lengths_kernel(ps, lengths); });
   else launch(q, kAssembleThreads, [&] { obs_assemble_kernel(ps, cu, out); });
 }
 }
@@ -110,7 +113,8 @@ def test_merge_kernel_matches_torch(emu, S, Q, K, levels, seed, data):
 
 
 def emu_assemble(lib, tokens, offsets, rows, headers, header_offsets, prefix, sep, suffix, cap, limit):
-    arrs = [np.ascontiguousarray(t.numpy()) for t in (tokens, offsets, rows, headers, header_offsets, prefix, sep, suffix)]
+    arrs = [np.ascontiguousarray(t.numpy())
+            for t in (tokens, offsets, rows, headers, header_offsets, prefix, sep, suffix)]
     Q, K = rows.shape
     P, E, F = len(prefix), len(sep), len(suffix)
     budget = -1 if limit is None else limit - P - F

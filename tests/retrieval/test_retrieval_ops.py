@@ -127,7 +127,8 @@ def test_assemble_deterministic_and_errors():
 
 def _need_ext():
     """On a GPU machine the extension must have been built (make env builds it): a missing one fails."""
-    assert cuda_ext() is not None, f"{cuda_ext_status()} (build it: FASTCREDIT_BUILD_CUDA=1 pip install --no-build-isolation -e .)"
+    assert cuda_ext() is not None, \
+        f"{cuda_ext_status()} (build it: FASTCREDIT_BUILD_CUDA=1 pip install --no-build-isolation -e .)"
 
 
 @pytest.mark.gpu

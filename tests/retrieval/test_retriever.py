@@ -39,7 +39,8 @@ def assets(tmp_path_factory):
     enc.tokenizer.save_pretrained(enc_dir)
     tok = tiny_policy_tokenizer(passages)
     build = build_all(corpus, str(d / "build"), encoder_obj=enc, chunk_size=128, progress=False)
-    r = open_retriever(index=build, encoder=enc_dir, max_length=enc.max_length, tokenizer=tok, device="cpu", progress=False)
+    r = open_retriever(index=build, encoder=enc_dir, max_length=enc.max_length, tokenizer=tok, device="cpu",
+                       progress=False)
     return dict(dir=d, corpus=corpus, passages=passages, enc=enc, enc_dir=enc_dir, tok=tok, build=build, r=r)
 
 
@@ -76,7 +77,8 @@ def test_token_observations_decode_to_the_text(assets):
     # passage's text; the token path keeps them (only the final newline is left out).
     last_spaces = decode_all(tok, unpack(*r.observation_tokens(None, 2, rows=torch.tensor([[0, 1]]))))[0]
     body = passages_to_string([r.corpus.contents(0), r.corpus.contents(1)])
-    assert last_spaces == PREFIX + body[:-1] + SUFFIX != format_observation([r.corpus.contents(0), r.corpus.contents(1)])
+    assert (last_spaces == PREFIX + body[:-1] + SUFFIX
+            != format_observation([r.corpus.contents(0), r.corpus.contents(1)]))
 
 
 def test_length_caps_keep_the_wrappers(assets):
@@ -104,7 +106,8 @@ def test_more_passages_asked_than_exist(tmp_path):
     from fastcredit.retrieval.indexes import load_index
     from fastcredit.retrieval.retriever import Retriever
 
-    r = Retriever(CorpusStore(str(tmp_path / "b" / "corpus")), load_index(str(tmp_path / "b" / "tiny-bert-32-5_Flat.index")), enc)
+    r = Retriever(CorpusStore(str(tmp_path / "b" / "corpus")),
+                  load_index(str(tmp_path / "b" / "tiny-bert-32-5_Flat.index")), enc)
     hits = r.search(["river", "castle"], 7)
     assert [len(h) for h in hits] == [4, 4]
     assert r.observations(["river"], 7)[0].count("Doc ") == 4
@@ -133,8 +136,8 @@ def test_searchr1_assets_load_as_is(assets, tmp_path):
 
 def test_from_config_builds_what_is_missing(assets, tmp_path):
     corpus = write_corpus(str(tmp_path / "c.jsonl"), tiny_passages(40, seed=3))
-    cfg = RetrievalConfig(corpus=corpus, index=str(tmp_path / "idx" / "my.index"), encoder=assets["enc_dir"], device="cpu",
-                          build_index="missing")  # asked for: a set index that is missing is built
+    cfg = RetrievalConfig(corpus=corpus, index=str(tmp_path / "idx" / "my.index"), encoder=assets["enc_dir"],
+                          device="cpu", build_index="missing")  # asked for: a set index that is missing is built
     r = from_config(cfg, tokenizer=assets["tok"], progress=False)
     assert os.path.exists(tmp_path / "idx" / "my.index") and len(r.corpus) == 40
     assert r.search([r.corpus.contents(7)], 1)[0][0].row == 7

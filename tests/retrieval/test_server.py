@@ -12,7 +12,8 @@ import pytest
 from fastcredit.runtime.batching import MicroBatcher, QueueFull
 from fastcredit.retrieval.client import RetrievalClient, RetrievalRequestError, RetrievalUnavailable
 from fastcredit.retrieval.loadtest import malformed_requests, run_load_test
-from fastcredit.retrieval.serve import RequestError, ServerLimits, ServerThread, make_app, parse_request, retriever_batch_fn
+from fastcredit.retrieval.serve import (RequestError, ServerLimits, ServerThread, make_app, parse_request,
+                                        retriever_batch_fn)
 from fastcredit.retrieval.testing import tiny_passages
 
 LIMITS = ServerLimits(max_topk=10, max_queries=16, max_query_chars=200, max_body_bytes=64 * 1024)
@@ -42,7 +43,8 @@ def post(url, body: bytes):
             return exc.code, raw.decode()
 
 
-@pytest.mark.parametrize("name,body,status", malformed_requests(LIMITS.__dict__), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("name,body,status", malformed_requests(LIMITS.__dict__),
+                         ids=lambda x: x if isinstance(x, str) else "")
 def test_bad_requests_get_a_4xx_with_a_message(server, name, body, status):
     with pytest.raises(RequestError) as info:
         parse_request(body, LIMITS)
@@ -123,7 +125,8 @@ def test_overload_timeout_and_failure_answers():
         return [[] for _ in items]
 
     def check_failure(url):
-        assert post(url, json.dumps({"queries": ["a"]}).encode()) == (500, {"error": "retrieval failed: RuntimeError: index on fire"})
+        assert post(url, json.dumps({"queries": ["a"]}).encode()) == (
+            500, {"error": "retrieval failed: RuntimeError: index on fire"})
         assert post(url, json.dumps({"queries": ["a"]}).encode()) == (200, {"result": [[]]})  # still serving
 
     run_app(flaky, ServerLimits(), check_failure)
@@ -175,7 +178,8 @@ def test_client_retries_then_gives_up_or_raises(server):
         return [[({"id": "0", "contents": "\"T\"\nx"}, 0.5)] for _ in items]
 
     run_app(busy_then_ok, ServerLimits(),
-            lambda url: RetrievalClient(url, retries=3, backoff_s=0.01).observations(["q"], 1) == ["\n\n<information>Doc 1(Title: \"T\") x</information>\n\n"])
+            lambda url: RetrievalClient(url, retries=3, backoff_s=0.01).observations(["q"], 1)
+            == ["\n\n<information>Doc 1(Title: \"T\") x</information>\n\n"])
     assert len(attempts) == 3
 
 

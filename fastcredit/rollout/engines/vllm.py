@@ -49,7 +49,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from fastcredit.distributed.devices import bind_thread
+from fastcredit.runtime.devices import bind_thread
 from fastcredit.rollout.engines.base import Engine, GenOutput, SamplingParams
 
 # settle(result, error): called once per request from the driver thread
@@ -269,10 +269,9 @@ class VLLMEngine(Engine):
     @classmethod
     def from_module(cls, model, tokenizer, rollout_cfg=None, device="cpu") -> "VLLMEngine":
         """Save an in-memory HF model (and tokenizer) to a temporary folder and start vLLM on it."""
-        from fastcredit.models.tiny import save_tiny_policy
-
         folder = tempfile.mkdtemp(prefix="fastcredit_vllm_")
-        save_tiny_policy(model, tokenizer, folder)
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
         return cls(folder, tokenizer, rollout_cfg, device)
 
     def _render(self, prompt: list):

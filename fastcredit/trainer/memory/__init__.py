@@ -12,12 +12,12 @@
     host.py        host RAM per rank and per node in each phase and at start-up (the formulas in its docstring)
     report.py      format_plan: both tables, the notes and the problems
 """
-from fastcredit.trainer.memory.gpu import (ASLEEP_BYTES, CONTEXT_BYTES, LABELS, PHASES, SEARCH_BYTES, VLLM_OVERHEAD_BYTES,
-                                   MemoryPlan, plan)
+from fastcredit.trainer.memory.gpu import (ASLEEP_BYTES, CONTEXT_BYTES, LABELS, PHASES, SEARCH_BYTES,
+                                           VLLM_OVERHEAD_BYTES, MemoryPlan, plan)
 from fastcredit.trainer.memory.host import HOST_LABELS, HostPlan, host_plan, machine_memory_gib
 from fastcredit.trainer.memory.report import format_plan
-from fastcredit.trainer.memory.retrieval import (ENCODERS, TOKEN_STORE_GPU_CAP, TOKENS_PER_PASSAGE, WIKI18_E5, IndexSize,
-                                         encoder_size, index_header, index_size)
+from fastcredit.trainer.memory.retrieval import (ENCODERS, TOKEN_STORE_GPU_CAP, TOKENS_PER_PASSAGE, WIKI18_E5,
+                                                 IndexSize, encoder_size, index_header, index_size)
 from fastcredit.trainer.memory.shapes import (PRESETS, ModelShape, ShapeError, kv_bytes_per_token, lookup_shape,
                                       safetensors_params, tiny_shape)
 from fastcredit.trainer.memory.units import GIB

@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from fastcredit.trainer.memory import host
-from fastcredit.trainer.memory.parts import (JudgeSetup, judge_setup, reference_bytes, shard_group, training_state_bytes,
-                                     uses_reference, zero2_bytes)
-from fastcredit.trainer.memory.retrieval import (IndexSize, encoder_size, index_bytes_per_rank, index_size, token_store_bytes,
-                                         token_store_fits_gpu)
+from fastcredit.trainer.memory.parts import (JudgeSetup, judge_setup, reference_bytes, shard_group,
+                                             training_state_bytes, uses_reference, zero2_bytes)
+from fastcredit.trainer.memory.retrieval import (IndexSize, encoder_size, index_bytes_per_rank, index_size,
+                                                 token_store_bytes, token_store_fits_gpu)
 from fastcredit.trainer.memory.shapes import ModelShape, kv_bytes_per_token, lookup_shape
 from fastcredit.trainer.memory.units import GIB, gib_text, tokens_text
 from fastcredit.trainer.memory.vllm_share import (MemoryBudgetError, auto_share, check_fixed_utilization,

@@ -46,8 +46,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from fastcredit.trainer.memory.parts import (JudgeSetup, reference_bytes, shard_group, trained_params, training_state_bytes,
-                                     uses_reference, zero2_bytes)
+from fastcredit.trainer.memory.parts import (JudgeSetup, reference_bytes, shard_group, trained_params,
+                                             training_state_bytes, uses_reference, zero2_bytes)
 from fastcredit.trainer.memory.retrieval import (IndexSize, encoder_size, index_bytes_per_rank, token_store_bytes,
                                          token_store_fits_gpu)
 from fastcredit.trainer.memory.shapes import ModelShape

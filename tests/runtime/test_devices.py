@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from fastcredit.distributed import devices
+from fastcredit.runtime import devices
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from fastcredit.config import (
     save_config,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
 METHODS = ["searchr1_grpo", "searchr1_ppo", "criticsearch", "cwgrpo", "proceed", "pica", "demo", "debug"]
 
@@ -111,7 +111,8 @@ def test_bad_overrides_name_the_key(override, message):
 def test_bad_yaml_names_file_and_line(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("seed: 1\nrollout:\n  n_samples: 4\n  max_turnz: 3\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml line 4: unknown key 'rollout.max_turnz'; did you mean 'rollout.max_turns'"):
+    with pytest.raises(ConfigError,
+                       match=r"bad.yaml line 4: unknown key 'rollout.max_turnz'; did you mean 'rollout.max_turns'"):
         load_config(str(p))
     p.write_text("optim:\n  lr: [1, 2]\n")
     with pytest.raises(ConfigError, match=r"bad.yaml line 2: 'optim.lr' must be a number"):
@@ -124,13 +125,6 @@ def test_bad_yaml_names_file_and_line(tmp_path):
         load_config(str(p))
     with pytest.raises(ConfigError, match="cannot read config file .*missing.yaml"):
         load_config(str(tmp_path / "missing.yaml"))
-
-
-def test_methods_that_need_a_judge_say_so():
-    with pytest.raises(ConfigError, match="needs a critic"):
-        load_config(None, ["credit.estimator=criticsearch"])
-    with pytest.raises(ConfigError, match="rollout.proceed.enabled=true"):
-        load_config(None, ["credit.estimator=proceed"])
 
 
 def _walk(cls, prefix=""):
@@ -166,7 +160,8 @@ def test_help_from_the_command_line():
 
 
 def test_bad_engine_settings_name_the_key():
-    with pytest.raises(ConfigError, match="'distributed.engine' must be one of \\['fsdp2', 'deepspeed'\\], got 'zero'"):
+    with pytest.raises(ConfigError,
+                       match="'distributed.engine' must be one of \\['fsdp2', 'deepspeed'\\], got 'zero'"):
         load_config(None, ["distributed.engine=zero"])
     with pytest.raises(ConfigError, match="'distributed.zero_stage' must be one of \\[2, 3\\], got 1"):
         load_config(None, ["distributed.engine=deepspeed", "distributed.zero_stage=1"])
@@ -179,14 +174,12 @@ def test_bad_engine_settings_name_the_key():
 def test_a_second_config_overlays_the_first_and_errors_name_its_file(tmp_path):
     """``--config METHOD.yaml --config configs/searchr1_design.yaml``: the overlay changes how a step runs, the
     method config keeps the rest; a bad key in the overlay is named with its file and line."""
-    from fastcredit.config import parse_cli
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    method, design = (os.path.join(root, "configs", f) for f in ("criticsearch.yaml", "searchr1_design.yaml"))
+    method, design = (os.path.join(ROOT, "configs", f) for f in ("criticsearch.yaml", "searchr1_design.yaml"))
     path, overrides = parse_cli(["--config", method, f"--config={design}", "optim.total_steps=3"])
     assert path == [method, design] and overrides == ["optim.total_steps=3"]
     cfg, alone = load_config(path, overrides), load_config(method)
-    assert (cfg.rollout.mode, cfg.rollout.stop_at_tags, cfg.rollout.enable_prefix_caching) == ("lockstep", False, False)
+    assert (cfg.rollout.mode, cfg.rollout.stop_at_tags, cfg.rollout.enable_prefix_caching) == \
+        ("lockstep", False, False)
     assert (cfg.retrieval.backend, cfg.loss.impl, cfg.optim.total_steps) == ("http", "torch", 3)
     assert cfg.credit.estimator == alone.credit.estimator and cfg.rollout.n_samples == alone.rollout.n_samples
     assert cfg.model.policy == alone.model.policy and cfg.rollout.max_action_tokens == alone.rollout.max_action_tokens

@@ -10,7 +10,7 @@ from fastcredit.data.toyqa import fact_sentence, oracle_actions
 from fastcredit.data.toyworld import ToyWorldConfig, generate_world
 from fastcredit.models.tiny import build_tiny_policy
 from fastcredit.credit.rewards import score_trajectory
-from fastcredit.trainer.sft import _labelled_cross_entropy, sft_sequences, sft_train
+from fastcredit.trainer.sft import labelled_cross_entropy, sft_sequences, sft_train
 
 SMALL = ToyWorldConfig(num_people=60, num_cities=15, num_countries=5, num_universities=6, num_companies=20,
                        num_bands=10, num_questions=80)
@@ -66,7 +66,7 @@ def test_labels_cover_actions_and_never_prompt_or_observation(world, tokenizer):
         assert ids == want_ids and labels == want_labels
 
 
-def test_labelled_cross_entropy_matches_the_full_logits_loss(tokenizer):
+def testlabelled_cross_entropy_matches_the_full_logits_loss(tokenizer):
     lm = build_tiny_policy(tokenizer, hidden=32, layers=2, heads=2, seed=1)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, len(tokenizer), (3, 17), generator=g)
@@ -76,7 +76,7 @@ def test_labelled_cross_entropy_matches_the_full_logits_loss(tokenizer):
     labels[2, 11:] = -100
     logits = lm(input_ids=ids, attention_mask=mask).logits[:, :-1]
     full = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
-    torch.testing.assert_close(_labelled_cross_entropy(lm, ids, labels, mask), full, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(labelled_cross_entropy(lm, ids, labels, mask), full, rtol=1e-5, atol=1e-6)
 
 
 def test_warm_start_lowers_the_loss_and_leaves_no_gradients(world, tokenizer):

@@ -5,15 +5,19 @@ import json
 import math
 import os
 import typing
+from typing import Optional
 
 import pytest
 
 from fastcredit.trainer import parts as C
 from fastcredit.config import ConfigError, TrainConfig, load_config
-from fastcredit.config.checks import RANGES, _bounds, check_paths
+from fastcredit.config.checks import check_paths
+from fastcredit.config.fields import COUNT, opt
+from fastcredit.config.ranges import Range, check_ranges, field_ranges
 from fastcredit.data.loaders import DataError, QAExample
+from fastcredit.prm.config import PRMTrainConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _numbers(cls, prefix=""):
@@ -32,17 +36,70 @@ def _numbers(cls, prefix=""):
 
 
 NUMBERS = dict(_numbers(TrainConfig))
+RANGES = field_ranges(TrainConfig)
 
 
-def test_every_number_has_a_range_and_every_range_a_key():
-    assert sorted(set(NUMBERS) - set(RANGES)) == [], "a new numeric field needs an entry in config_checks.RANGES"
-    assert sorted(set(RANGES) - set(NUMBERS)) == [], "RANGES names keys the config does not have"
+def _unmatched(cls) -> tuple[list, list]:
+    """(numbers without a range, ranges on a field that holds no number) of the config tree ``cls``."""
+    numbers, ranges = set(dict(_numbers(cls))), set(field_ranges(cls))
+    return sorted(numbers - ranges), sorted(ranges - numbers)
+
+
+@pytest.mark.parametrize("root", [TrainConfig, PRMTrainConfig], ids=["train", "prm"])
+def test_every_number_declares_a_range_and_only_numbers_do(root):
+    missing, stray = _unmatched(root)
+    assert missing == [], "a numeric field needs its range: opt(default, help, range=...)"
+    assert stray == [], "a range on a field that holds no number"
+
+
+@dataclasses.dataclass
+class _Section:
+    ranged: int = opt(1, "a count", range=COUNT)
+    bare: float = opt(0.5, "a number without a range")
+
+
+@dataclasses.dataclass
+class _Tree:
+    seed: Optional[int] = opt(None, "a seed without a range")
+    section: _Section = opt(_Section, "a section")
+
+
+@dataclasses.dataclass
+class _Stray:
+    name: str = opt("x", "a name with a range", range=COUNT)
+
+
+def test_a_number_without_a_range_is_found():
+    assert _unmatched(_Tree) == (["section.bare", "seed"], [])
+    assert _unmatched(_Stray) == ([], ["name"])
+
+
+def test_a_range_is_declared_with_its_field():
+    f = {f.name: f for f in dataclasses.fields(_Section)}
+    assert f["ranged"].metadata["range"] == Range("[1, inf)") and "range" not in f["bare"].metadata
+    top_k = opt(-1, "top-k (-1: off)", range=COUNT, also=(-1,), note="-1: off")
+    assert top_k.metadata == {"help": "top-k (-1: off)", "range": Range("[1, inf)", "-1: off", (-1,))}
+    with pytest.raises(ValueError, match="is not an interval"):
+        opt(1, "x", range="1 to 3")
+    with pytest.raises(TypeError, match="give range too"):
+        opt(1, "x", note="0: off")
+    with pytest.raises(TypeError, match="in the Range"):
+        opt(1, "x", range=Range(COUNT), note="0: off")
+
+
+def test_check_ranges_names_the_key_its_origin_or_a_label():
+    tree = _Tree(section=_Section(ranged=0))
+    with pytest.raises(ConfigError, match=r"^x.yaml line 3: section.ranged must lie in \[1, inf\), got 0$"):
+        check_ranges(tree, {"section.ranged": "x.yaml line 3"})
+    with pytest.raises(ConfigError, match=r"^the tree: section.ranged must lie in"):
+        check_ranges(tree, label="the tree")
+    check_ranges(_Tree(seed=-5, section=_Section(bare=math.nan)))  # no range declared: nothing to check
 
 
 def _bad_values(key):
     """Values outside ``RANGES[key]``: NaN, the infinities it does not allow, just past each finite end, huge."""
     rng, tp = RANGES[key], NUMBERS[key]
-    lo_closed, lo, hi, hi_closed = _bounds(rng.spec)
+    lo_closed, lo, hi, hi_closed = rng.bounds
     step = 1 if tp is int else 0.5
     bad = [math.nan]
     if not (hi == math.inf and hi_closed):
@@ -135,7 +192,8 @@ def test_the_same_key_in_different_sections_is_no_duplicate(tmp_path):
 
 
 @pytest.mark.parametrize("override, part, message", [
-    ("model.policy=/x/y", "model", r"model.policy: /x/y does not exist \(a local Hugging Face folder, 'tiny' or 'smollm2'\)"),
+    ("model.policy=/x/y", "model",
+     r"model.policy: /x/y does not exist \(a local Hugging Face folder, 'tiny' or 'smollm2'\)"),
     ("model.tokenizer=/x/tok", "model", "model.tokenizer: /x/tok does not exist"),
     ("retrieval.corpus=/x/c.jsonl", "retrieval", "retrieval.corpus: /x/c.jsonl does not exist"),
     ("retrieval.encoder=/x/e5", "retrieval", r"retrieval.encoder: /x/e5 does not exist \('minilm' or"),
@@ -167,8 +225,8 @@ def test_a_missing_index_is_not_built_unless_asked(tmp_path):
                                           r"retrieval.build_index=auto nothing builds it") as err:
         C.make_searcher(cfg, None, str(corpus))
     message = str(err.value)
-    assert f"python -m fastcredit.retrieval.build --corpus {corpus} --out {tmp_path}/e5_Flat --query-prefix 'query: '" \
-        in message and "retrieval.build_index=missing" in message
+    build = f"python -m fastcredit.retrieval.build --corpus {corpus} --out {tmp_path}/e5_Flat --query-prefix 'query: '"
+    assert build in message and "retrieval.build_index=missing" in message
     from fastcredit.retrieval.retriever import from_config
 
     with pytest.raises(ConfigError, match="e5_Flat.index does not exist"):  # the library entry point too

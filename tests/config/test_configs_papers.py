@@ -14,7 +14,7 @@ import pytest
 from fastcredit.config import ConfigError, all_keys, load_config
 from fastcredit.config.aliases import ALIASES
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC = os.path.join(ROOT, "docs", "config-mapping.md")
 SR1_GRPO = "Search-R1 v0.2/train_grpo.sh"
 SR1_PPO = "Search-R1 v0.2/train_ppo.sh"
@@ -51,7 +51,8 @@ EXPECTED = [
     ("searchr1_ppo", "loss.vf_coef", 1.0, "Search-R1 core_algos.compute_value_loss: 0.5 * max(...), no weight"),
     ("searchr1_ppo", "rollout.n_samples", 1, f"{SR1_PPO}: n_agent=1"),
     ("searchr1_ppo", "optim.mini_batch_prompts", 256, f"{SR1_PPO}: ppo_mini_batch_size=256 at n_agent=1"),
-    ("criticsearch", "data.train_path", "data/hotpotqa_train/train.parquet", "CriticSearch Section 4: trained on HotpotQA"),
+    ("criticsearch", "data.train_path", "data/hotpotqa_train/train.parquet",
+     "CriticSearch Section 4: trained on HotpotQA"),
     ("criticsearch", "rollout.max_turns", 5, "CriticSearch Appendix B: at most four turns of searching"),
     ("criticsearch", "rollout.max_response_tokens", 4096, "CriticSearch Appendix B: 4K context"),
     ("criticsearch", "optim.warmup_ratio", 0.35, "CriticSearch Appendix B: warm-up ratio 0.35"),
@@ -73,7 +74,8 @@ EXPECTED = [
     ("proceed", "rollout.top_p", 1.0, "ProCeedRL Table 6: top p 1.00"),
     ("proceed", "judges.backend", "http", "ProCeedRL Section 4.1: DeepSeek-V3-0528 critic (external)"),
     ("proceed", "judges.model", "deepseek-v3-0528", "ProCeedRL Section 4.1: DeepSeek-V3-0528 critic"),
-    ("proceed", "data.train_path", "data/hotpotqa_curated_4k/train.parquet", "ProCeedRL Section 4.1: curated 4k HotpotQA"),
+    ("proceed", "data.train_path", "data/hotpotqa_curated_4k/train.parquet",
+     "ProCeedRL Section 4.1: curated 4k HotpotQA"),
     ("proceed", "rollout.n_samples", 8, "ProCeedRL Table 6: group size 8"),
     ("proceed", "optim.batch_prompts", 16, "ProCeedRL Table 6: train batch size 16"),
     ("proceed", "loss.kl_coef", 0.01, "ProCeedRL Table 6: KL penalty 0.01"),
@@ -179,22 +181,22 @@ def test_other_unknown_keys_still_get_a_guess():
 
 
 def test_the_value_model_warms_up_on_its_own_ratio():
-    from fastcredit.trainer.loop import Trainer, lr_factor
+    from fastcredit.trainer.schedule import LRSchedule, lr_factor
 
     lrs = {"policy": [], "value": []}
-    stub = types.SimpleNamespace(cfg=_config("searchr1_ppo"), opt_steps=0, _total_opt_steps=lambda: 2000,
-                                 policy=types.SimpleNamespace(set_lr=lrs["policy"].append),
-                                 value=types.SimpleNamespace(set_lr=lrs["value"].append))
+    policy, value = (types.SimpleNamespace(set_lr=lrs[k].append) for k in ("policy", "value"))
+    path = os.path.join(ROOT, "configs", "searchr1_ppo.yaml")
+    o = load_config(path, ["optim.total_steps=1000"]).optim  # 2000 optimizer steps: 2 mini-batches a step
+    schedule = LRSchedule(o)
     for _ in range(100):
-        Trainer._set_lr(stub)
-    o = stub.cfg.optim  # 2000 optimizer steps: the critic warms up over 30, the policy over 570
+        schedule.before_step(policy, value)
+    assert schedule.opt_steps == 100  # the critic warms up over 30 optimizer steps, the policy over 570
     assert lrs["value"][29] == pytest.approx(o.critic_lr) and lrs["value"][28] < o.critic_lr
     assert lrs["policy"][99] == pytest.approx(o.lr * lr_factor(99, 2000, 0.285, "constant"))
     assert lrs["policy"][99] < o.lr
-    stub.cfg = load_config(os.path.join(ROOT, "configs", "searchr1_ppo.yaml"), ["optim.critic_warmup_ratio=null"])
+    o = load_config(path, ["optim.total_steps=1000", "optim.critic_warmup_ratio=null"]).optim
     lrs["value"].clear()
-    stub.opt_steps = 0
-    Trainer._set_lr(stub)
+    LRSchedule(o).before_step(policy, value)
     assert lrs["value"][0] == pytest.approx(o.critic_lr * lr_factor(0, 2000, 0.285, "constant"))
 
 

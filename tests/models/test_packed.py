@@ -1,7 +1,7 @@
 """The actor's padding-free packed forward equals the padded one, and never builds a [T, T] mask.
 
 The reference is computed here with the plain HF model (sdpa) over right-padded ``[B, L]``
-inputs and an attention mask; the packed side is ``fastcredit.trainer.update``'s ``[1, T]`` row
+inputs and an attention mask; the packed side is ``fastcredit.models.packed``'s ``[1, T]`` row
 through ``fastcredit.models.varlen`` (or flash-attention's varlen path on a GPU).
 """
 import copy
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastcredit.trainer.update import PolicyModel, ValueModel, model_inputs
 from fastcredit.distributed.engine import apply_activation_checkpointing
 from fastcredit.models import varlen
+from fastcredit.models.packed import PolicyModel, ValueModel, model_inputs
 from fastcredit.models.tiny import build_tiny_policy
 from fastcredit.rollout.trajectory import Turn, from_turns
 
@@ -91,7 +91,7 @@ def _pair(kv_heads=None):
 
 def test_model_inputs_pack_without_padding():
     batch, prompts = _batch()
-    x = model_inputs(prompts, batch, pad_id=0, device="cpu")
+    x = model_inputs(prompts, batch, device="cpu")
     lens = [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
     assert x.input_ids.shape == (1, sum(lens)) and x.num_tokens == sum(lens)
     assert x.cu_seqlens.tolist() == [0, lens[0], lens[0] + lens[1], sum(lens)] and x.max_seqlen == max(lens)
@@ -106,7 +106,7 @@ def test_packed_logprobs_and_entropies_equal_padded(kv_heads):
     batch, prompts = _batch()
     with torch.no_grad():
         want_lp, want_ent = _logp_entropy(_padded(ref, prompts, batch)[1], batch.tokens_N.long())
-        lp, ent = PolicyModel(lm, "torch")(model_inputs(prompts, batch, 0, "cpu"))
+        lp, ent = PolicyModel(lm, "torch")(model_inputs(prompts, batch, "cpu"))
     assert lm.config._attn_implementation == varlen.VARLEN and ref.config._attn_implementation == "sdpa"
     torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=0)
@@ -120,7 +120,7 @@ def test_packed_values_equal_padded():
     batch, prompts = _batch()
     with torch.no_grad():
         want = value.value_head(_padded(ref, prompts, batch)[0]).squeeze(-1)
-        got = value(model_inputs(prompts, batch, 0, "cpu"))
+        got = value(model_inputs(prompts, batch, "cpu"))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
@@ -148,7 +148,7 @@ def test_packed_gradients_equal_padded(checkpointing, monkeypatch):
 
     varlen.register()
     monkeypatch.setitem(AttentionInterface._global_mapping, varlen.VARLEN, spy)
-    lp, ent = PolicyModel(lm, "torch")(model_inputs(prompts, batch, 0, "cpu"))
+    lp, ent = PolicyModel(lm, "torch")(model_inputs(prompts, batch, "cpu"))
     ((lp * w).sum() + 0.1 * ent.sum()).backward()
     # every layer, in the forward and (checkpointing) again in the backward's recompute
     assert seen == [True] * (2 if checkpointing else 1) * lm.config.num_hidden_layers
@@ -179,7 +179,7 @@ def test_no_square_mask_and_attention_per_sequence(monkeypatch):
     lm = _tiny()
     batch, prompts = _batch()
     with torch.no_grad():
-        PolicyModel(lm, "torch")(model_inputs(prompts, batch, 0, "cpu"))
+        PolicyModel(lm, "torch")(model_inputs(prompts, batch, "cpu"))
     lens = [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
     assert [c[0] for c in calls] == lens * lm.config.num_hidden_layers
     assert all(mask is None and causal for _, mask, causal in calls)
@@ -191,7 +191,7 @@ def test_a_model_set_to_varlen_still_runs_padded_and_generates_like_sdpa():
     ref, lm = _pair(kv_heads=2)
     batch, prompts = _batch((5, 9), (3, 6))
     with torch.no_grad():
-        PolicyModel(lm, "torch")(model_inputs(prompts, batch, 0, "cpu"))
+        PolicyModel(lm, "torch")(model_inputs(prompts, batch, "cpu"))
         assert lm.config._attn_implementation == varlen.VARLEN
         torch.testing.assert_close(_padded(lm, prompts, batch)[1], _padded(ref, prompts, batch)[1], atol=1e-5, rtol=0)
         ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
@@ -204,7 +204,7 @@ def test_packed_position_ids_alone_bound_the_sequences():
     """A caller passing only packed position ids (no cu_seq_lens) gets per-sequence attention too."""
     _, lm = _pair(kv_heads=2)
     batch, prompts = _batch()
-    x = model_inputs(prompts, batch, 0, "cpu")
+    x = model_inputs(prompts, batch, "cpu")
     with torch.no_grad():
         want = PolicyModel(lm, "torch")(x)[0]
         hidden = lm.get_decoder()(input_ids=x.input_ids, position_ids=x.position_ids, use_cache=False)
@@ -225,7 +225,7 @@ def test_packed_equals_padded_on_a_gpu(flash):
     ref, lm = (m.to("cuda", dtype) for m in _pair(kv_heads=2))
     batch, prompts = _batch()
     with torch.no_grad():
-        x = model_inputs(prompts, batch, 0, "cuda")
+        x = model_inputs(prompts, batch, "cuda")
         lp, ent = PolicyModel(lm, "torch")(x)
         want_lp, want_ent = _logp_entropy(_padded(ref, prompts, batch)[1], x.target_N)
     assert lm.config._attn_implementation == ("flash_attention_2" if flash else varlen.VARLEN)

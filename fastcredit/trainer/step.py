@@ -1,0 +1,114 @@
+"""One training step, each phase timed (``PhaseTimer``) and inside an NVTX range ``step``.
+
+Legend (shape suffixes): B trajectories, N packed response tokens.
+
+rollout (async agent loop; ProCeed rewinds) → outcome rewards → dynamic sampling (DAPO)
+(``fastcredit.trainer.sampling``) → judges (critic / judge / PRM) → old log-probs,
+reference log-probs, values (three phases) → estimator by name → PPO epochs over mini- and
+micro-batches (``fastcredit.trainer.update``; the learning rate set before each optimizer
+step) → weight sync into the rollout engine at the next rollout. Each rank rolls out its
+own share of the prompts; the update's denominators are global. A phase takes what it
+needs: the run's :class:`~fastcredit.trainer.parts.Parts`, the config, and plain values.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from fastcredit.config import TrainConfig
+from fastcredit.distributed.process_group import DistInfo, all_reduce_sum, max_over_ranks, mean_over_ranks
+from fastcredit.runtime.profiling import PhaseTimer, nvtx_range
+from fastcredit.trainer.parts import Parts
+from fastcredit.trainer.sampling import sample_batch
+from fastcredit.trainer.schedule import LRSchedule
+
+
+def train_step(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, sampler, step: int,
+               lr: LRSchedule) -> dict:
+    """Training step ``step`` (0-based) on prompts drawn from ``sampler``; returns its metrics (rank-averaged).
+
+    ``lr`` sets the learning rates before each optimizer step and counts them."""
+    with nvtx_range("step"):
+        t0 = time.perf_counter()
+        result, examples, reward, metrics = sample_batch(parts, cfg, info, timer, sampler, step)
+        with timer.phase("judge"), parts.phases.judge():
+            extras, jm = parts.judges.score(result, examples, reward) if parts.judges is not None else ({}, {})
+        metrics.update(jm)
+        old, ref, values = score_tokens(parts, cfg, info, timer, result.prompt_ids, result.batch)
+        with timer.phase("advantage"):
+            credit = advantages(cfg, info, result.batch, reward, old, ref, values, extras)
+        metrics.update({f"credit/{k}": v for k, v in credit.metrics.items()})
+        with timer.phase("update"), parts.phases.train():
+            metrics.update(update(parts, cfg, info, lr, result.prompt_ids, result.batch, credit, old, ref, values))
+        parts.phases.mark_updated()
+        tokens = float(result.batch.num_tokens + sum(len(p) for p in result.prompt_ids))
+        return step_metrics(parts, info, timer, metrics, tokens, t0)
+
+
+def score_tokens(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, prompts, batch):
+    """``(old_logp_N, ref_logp_N, values_N)`` of the batch's response tokens, float32 on the CPU: the policy's
+    log-probs before the update, the reference policy's (None without one) and the value model's (None without
+    one), each its own timed phase."""
+    from fastcredit.models.packed import forward_logprobs, forward_values
+
+    mt, temperature = cfg.optim.micro_batch_tokens, cfg.rollout.temperature
+
+    def most(n: int) -> int:
+        return max_over_ranks(n, info)
+
+    ref = values = None
+    with parts.phases.train():  # its moves (engines to sleep, training state back) are timed by the phases
+        with timer.phase("old_logprobs"):
+            old = forward_logprobs(parts.policy, prompts, batch, info.device, mt, temperature, most)[0]
+        if parts.ref is not None:
+            with timer.phase("ref_logprobs"), parts.phases.using(parts.ref):
+                ref = forward_logprobs(parts.ref, prompts, batch, info.device, mt, temperature, most)[0]
+        if parts.value is not None:
+            with timer.phase("values"):
+                values = forward_values(parts.value, prompts, batch, info.device, mt, most)
+    return old, ref, values
+
+
+def advantages(cfg: TrainConfig, info: DistInfo, batch, reward_B: torch.Tensor, old_logp_N, ref_logp_N, values_N,
+               extras: dict):
+    """The estimator ``credit.estimator`` names over the batch: its CreditResult (advantages, returns, masks).
+    ``extras``: the judges' CreditInputs fields."""
+    from fastcredit.credit import CreditInputs, compute_advantages
+
+    def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(t, info)
+
+    inputs = CreditInputs.from_batch(batch, reward_B, values_N=values_N, old_logp_N=old_logp_N, ref_logp_N=ref_logp_N,
+                                     sum_over_ranks=sum_over_ranks if info.distributed else None, **extras)
+    return compute_advantages(cfg.credit.estimator, inputs, cfg.credit)
+
+
+def update(parts: Parts, cfg: TrainConfig, info: DistInfo, lr: LRSchedule, prompts, batch, credit, old_logp_N,
+           ref_logp_N, values_N) -> dict:
+    """The PPO update of the policy (and value model) on the batch (``fastcredit.trainer.update.ppo_update``);
+    its metrics, summed over ranks."""
+    from fastcredit.trainer.update import UpdateData, ppo_update
+
+    per_mini = max(cfg.optim.mini_batch_prompts // info.world_size, 1)
+    data = UpdateData(prompts, batch, credit, old_logp_N, ref_logp_N, values_N)
+    return ppo_update(parts.policy, data, cfg.loss, cfg.optim, info.device, temperature=cfg.rollout.temperature,
+                      dp_size=info.world_size, reduce=lambda t: all_reduce_sum(t, info),
+                      max_over_ranks=lambda n: max_over_ranks(n, info), value=parts.value, groups_per_mini=per_mini,
+                      on_step=lambda: lr.before_step(parts.policy, parts.value))
+
+
+def step_metrics(parts: Parts, info: DistInfo, timer: PhaseTimer, metrics: dict, tokens: float, t0: float) -> dict:
+    """The step's metrics as logged: rank means (the actor's and critic's are already global sums), the seconds of
+    each phase and colocation move, of the step since ``t0`` (``time.perf_counter``), tokens per second over all
+    ranks, and GPU memory at the phase boundaries."""
+    local = {k: v for k, v in metrics.items() if not k.startswith("actor/") and not k.startswith("critic/")}
+    metrics = {**metrics, **mean_over_ranks(local, info)}
+    metrics.update({f"time/{k}": v for k, v in timer.reset().items()})
+    metrics.update({f"time/colocate/{k}": v for k, v in parts.phases.take_timings().items()})
+    metrics["time/step"] = time.perf_counter() - t0
+    all_tokens = float(all_reduce_sum(torch.tensor([tokens], dtype=torch.float64), info))
+    metrics["tokens_per_s"] = all_tokens / metrics["time/step"]
+    metrics.update(parts.memory)
+    parts.memory.clear()
+    return metrics
