@@ -239,17 +239,18 @@ def random_policy(work: str, cuda: bool, name: str = "policy", seed: int = 0) ->
 
 
 # Each run: (name, overrides). "switch" adds a frozen critic of the policy's architecture, so
-# every step switches the engine's weights to the critic and back (time/colocate/*).
-def _train_runs(critic: str) -> list:
-    return [("grpo", []),
-            ("switch", ["credit.estimator=criticsearch", "credit.reward=criticsearch", "judges.backend=colocated",
-                        f"judges.model={critic}", "judges.max_tokens=64", "loss.kl_coef=0.001"])]
+# every step switches the engine's weights to the critic and back (time/colocate/*). On a CPU only "switch" runs:
+# it takes every step of "grpo" and the switch besides, and the suite runs this stage on every CI run.
+def _train_runs(critic: str, cuda: bool) -> list:
+    switch = ("switch", ["credit.estimator=criticsearch", "credit.reward=criticsearch", "judges.backend=colocated",
+                         f"judges.model={critic}", "judges.max_tokens=64", "loss.kl_coef=0.001"])
+    return [("grpo", []), switch] if cuda else [switch]
 
 
 def stage_train(out: str) -> None:
-    """Three trainer steps per engine (HF; vLLM too when it imports) and run (grpo; a critic switched into the
-    engine) on a random Qwen2 built in code: per-phase seconds, switch / sync / move seconds, GPU memory at
-    every phase boundary (allocated / reserved / engine)."""
+    """Three trainer steps per engine (HF; vLLM too when it imports) and run (grpo, and a critic switched into the
+    engine; on a CPU the switch run only) on a random Qwen2 built in code: per-phase seconds, switch / sync / move
+    seconds, GPU memory at every phase boundary (allocated / reserved / engine)."""
     cuda = _cuda()
     engines = ["hf"] + (["vllm"] if cuda and importlib.util.find_spec("vllm") else [])
     results, failed = {}, []
@@ -257,7 +258,7 @@ def stage_train(out: str) -> None:
     policy = random_policy(work, cuda)
     critic = random_policy(work, cuda, "critic", seed=1)
     for engine in engines:
-        for run_name, extra in _train_runs(critic):
+        for run_name, extra in _train_runs(critic, cuda):
             key = engine if run_name == "grpo" else f"{engine}_{run_name}"
             run = os.path.join(work, f"train_{key}")
             cmd = [sys.executable, "-m", "fastcredit.train", "--config", os.path.join(ROOT, "configs", "debug.yaml"),

@@ -31,10 +31,11 @@ def test_the_gpu_check_runs_on_a_cpu(tmp_path):
                                                         ("linear_logprob", "torch"), ("linear_logprob", "triton")}
     assert all(r["status"] == "ok" and r["python_ms"] > 0 and r["graph_ms"].startswith("not run") for r in rows)
     assert {t["status"] for t in json.load(open(out / "targets.json"))} == {"not run"}
-    steps = json.load(open(out / "step_times.json"))["engines"]["hf"]["steps"]
-    assert [s["step"] for s in steps] == [1, 2, 3] and all(s["time/step"] > 0 for s in steps)
+    engines = json.load(open(out / "step_times.json"))["engines"]
+    assert set(engines) == {"hf_switch"}  # on a CPU the switch run alone (it runs every step of the plain one)
+    switched = engines["hf_switch"]["steps"]
+    assert [s["step"] for s in switched] == [1, 2, 3] and all(s["time/step"] > 0 for s in switched)
     # the frozen critic of the policy's architecture switched into the rollout engine every step, and back
-    switched = json.load(open(out / "step_times.json"))["engines"]["hf_switch"]["steps"]
     assert all(s["time/colocate/switch_to_critic"] > 0 and s["time/colocate/sync_weights"] > 0 for s in switched[1:])
     assert "time/judge" in switched[0]
     packed = json.load(open(next(out.glob("packed_forward_*.json"))))

@@ -68,7 +68,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
     p.add_argument("--seeds", type=int, default=3, help="seeds per method (the config's seed, +1, +2, ...)")
     p.add_argument("--noise", type=float, default=0.2, help="noisy-oracle variants of the judged methods (0: none)")
-    p.add_argument("--quick", action="store_true", help=f"1 seed and {QUICK_STEP_SHARE:.0%} of the steps")
+    share = f"{QUICK_STEP_SHARE:.0%}".replace("%", "%%")  # argparse %-formats help texts
+    p.add_argument("--quick", action="store_true", help=f"1 seed and {share} of the steps")
     p.add_argument("--jobs", type=int, default=1,
                    help="runs at a time once the warm start is made, each with cores/jobs torch threads (seconds per "
                         "step are then measured side by side)")
