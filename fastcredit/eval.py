@@ -6,8 +6,9 @@ data source, in the papers' table layout.
     python -m fastcredit.eval --model ckpt/Qwen2.5-3B-search/ --data test.parquet \\
         --config configs/searchr1_ppo.yaml retrieval.backend=http retrieval.url=http://127.0.0.1:8000/retrieve
 
-``--model`` is a Hugging Face folder, or a run folder (its checkpoint is exported once into
-``<run>/exports/step_N`` by :func:`fastcredit.export.export_checkpoint`; the run's
+``--model`` is a Hugging Face folder, or a run folder (its checkpoint is exported into
+``<run>/exports/step_N`` by :func:`fastcredit.export.export_once`, and exported again only when
+that step's checkpoint was saved again since, as a collapse-guard rollback does; the run's
 ``config.yaml`` is the default config). Rollouts are greedy (temperature 0) through
 :func:`fastcredit.trainer.parts.agent_loop` with the config's turn and token limits and the
 config's retriever, on the vLLM engine where a GPU and vLLM are there, else the HF engine.
@@ -21,10 +22,10 @@ sources (the papers' "Avg."). Written to ``<out>/results.md`` and ``<out>/result
 
 Every scored question is appended to ``<out>/predictions.jsonl`` as it finishes a chunk; an
 interrupted evaluation started again with the same arguments skips what is there (a different
-model, data file or config is refused rather than mixed in; ``--fresh`` starts over, moving the old
-predictions aside). The scoring, the table and the cache live in :mod:`fastcredit.trainer.heldout`,
-which the trainer's periodic evaluation uses too, so its ``eval/em/<source>`` metrics are computed
-the same way.
+model, another save of a run's step, data file or config is refused rather than mixed in;
+``--fresh`` starts over, moving the old predictions aside). The scoring, the table and the cache
+live in :mod:`fastcredit.trainer.heldout`, which the trainer's periodic evaluation uses too, so its
+``eval/em/<source>`` metrics are computed the same way.
 
 Exit status: 0 done, 2 bad input.
 """
@@ -99,13 +100,11 @@ def resolve_model(model: str, step: Optional[int]) -> tuple[str, Optional[str], 
             raise ConfigError(f"--model {model}: neither a Hugging Face folder (no config.json) nor a run folder "
                               "(no checkpoints/ and config.yaml)")
         return model, None, None
-    from fastcredit.export import export_checkpoint
+    from fastcredit.export import export_once
 
     step = _run_step(model, step)
-    folder = os.path.join(model, "exports", f"step_{step:06d}")
-    if not os.path.exists(os.path.join(folder, "config.json")):
-        print(f"exporting {model} step {step} to {folder}", flush=True)
-        export_checkpoint(model, folder, step=step, force=True)
+    # reused while it was made from the checkpoint as it is now (its manifest), else exported again
+    folder = export_once(model, os.path.join(model, "exports", f"step_{step:06d}"), step=step)
     return folder, model, step
 
 
@@ -240,6 +239,10 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
     meta = {"model": os.path.abspath(folder), "step": step, "data": _file_id(data_path) if os.path.isfile(data_path)
             else os.path.abspath(data_path), "split": split, "limit": limit, "seed": cfg.seed,
             "config": _config_fingerprint(cfg)}
+    if run is not None:  # which save of the step was exported: predictions of a step saved since are not mixed in
+        from fastcredit.export import source_key
+
+        meta["checkpoint"] = source_key(folder)
     cache = PredictionCache(out, meta, fresh=fresh)
     todo = [i for i in chosen if i not in cache.done]
     if cache.done:

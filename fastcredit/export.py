@@ -5,7 +5,12 @@
     python -m fastcredit.export --run runs/x --out exports/x --force                # replace an earlier export
 
 The folder holds config.json, model.safetensors (sharded with an index above --max-shard-size),
-the tokenizer's files and generation_config.json. The architecture comes from the run itself:
+the tokenizer's files, generation_config.json and fastcredit_source.json (the run, step and dtype, and
+the sha256 of the checkpoint's manifest: which save of that step it was). :func:`export_once` reuses
+an export only while that record matches the checkpoint as it is now (``python -m fastcredit.eval``
+keeps one per step in ``<run>/exports/step_N``): a step saved again with other weights, as a
+collapse-guard rollback does, is exported again. An export replaces an earlier one whole, and only
+once the new one is complete. The architecture comes from the run itself:
 its config.yaml (the merged TrainConfig) builds the policy as the trainer does
 (``fastcredit.trainer.parts.load_policy``; the tiny policy's tokenizer is the one in the run
 folder), then the checkpoint's policy weights replace the built ones. Both kinds of checkpoint
@@ -31,6 +36,7 @@ do not fit the run's model).
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -39,10 +45,11 @@ from typing import Callable, Optional
 import torch
 
 from fastcredit.data.tokenizer import load_tokenizer
-from fastcredit.distributed.weights import (DTYPES, ExportError, find_checkpoint, name_deepspeed_accelerator,
-                                            read_policy_weights)
+from fastcredit.distributed.weights import (DTYPES, ExportError, checkpoint_key, find_checkpoint,
+                                            name_deepspeed_accelerator, read_policy_weights)
 
 DEFAULT_SHARD = "5GB"
+SOURCE = "fastcredit_source.json"  # in the export: the checkpoint it was made from (export_once compares it)
 
 
 def _say(text: str) -> None:
@@ -115,9 +122,28 @@ def _tokenizer_check(folder: str, tokenizer, out_dir: str) -> Optional[str]:
             f"fastcredit.export.load_tokenizer or {type(saved).__name__}.from_pretrained (token ids are unaffected)")
 
 
-def _write(lm, tokenizer, out_dir: str, dtype: torch.dtype, max_shard_size: str) -> tuple[list[str], Optional[str]]:
-    """Save into a sibling folder, check its tokenizer, then move it into place: an interrupted or refused export
-    leaves no half-written ``out_dir``. Returns the files and the tokenizer's note (:func:`_tokenizer_check`)."""
+def _swap_in(tmp: str, out: str) -> None:
+    """Move the finished folder ``tmp`` to ``out``. An earlier ``out`` is moved aside first and removed only once
+    ``tmp`` is in its place; if that move fails it is put back."""
+    if not os.path.isdir(out):
+        os.replace(tmp, out)
+        return
+    old = f"{out}.old{os.getpid()}"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write(lm, tokenizer, out_dir: str, dtype: torch.dtype, max_shard_size: str,
+           source: dict) -> tuple[list[str], Optional[str]]:
+    """Save into a sibling folder, check its tokenizer, write ``source`` (:data:`SOURCE`) last, then move it into
+    place: an interrupted or refused export leaves no half-written ``out_dir`` and an earlier export intact.
+    Returns the files and the tokenizer's note (:func:`_tokenizer_check`)."""
     out = os.path.normpath(out_dir)
     tmp = f"{out}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -126,9 +152,9 @@ def _write(lm, tokenizer, out_dir: str, dtype: torch.dtype, max_shard_size: str)
         lm.to(dtype).save_pretrained(tmp, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(tmp)
         note = _tokenizer_check(tmp, tokenizer, out)
-        if os.path.isdir(out):  # empty, or an earlier export that _check_out let --force replace
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        with open(os.path.join(tmp, SOURCE), "w") as f:
+            json.dump(source, f, indent=1)
+        _swap_in(tmp, out)  # empty, or an earlier export that _check_out let --force replace
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return sorted(os.listdir(out)), note
@@ -148,12 +174,90 @@ def export_checkpoint(run_dir: str, out_dir: str, step: Optional[int] = None, dt
     n_params = sum(p.numel() for p in lm.parameters())
     say(f"{run_dir}: {os.path.basename(ckpt)}, policy {cfg.model.policy} ({type(lm).__name__}, "
         f"{n_params:,} parameters, {len(tokenizer)} tokens)")
+    key = checkpoint_key(ckpt)
     say("read " + read_policy_weights(ckpt, lm))
-    files, note = _write(lm, tokenizer, out_dir, DTYPES[dtype], max_shard_size)
+    if checkpoint_key(ckpt) != key:
+        raise ExportError(f"{ckpt} was saved again while it was read (a resumed or rolled-back run writing that "
+                          "step?): nothing written; export again once the run has moved on")
+    source = {"run": os.path.abspath(run_dir), "step": _step_of(ckpt), "checkpoint": os.path.basename(ckpt),
+              **key, "dtype": dtype}
+    files, note = _write(lm, tokenizer, out_dir, DTYPES[dtype], max_shard_size, source)
     say(f"wrote {out_dir} ({dtype}): {', '.join(files)}")
     if note:
         say(note)
     return out_dir
+
+
+def _step_of(ckpt: str) -> int:
+    return int(os.path.basename(os.path.normpath(ckpt)).split("_")[-1])
+
+
+def _checkpoint_dir(run_dir: str, step: int) -> str:
+    return os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
+
+
+def source_key(out_dir: str) -> Optional[str]:
+    """The checkpoint key (:func:`fastcredit.distributed.weights.checkpoint_key`) ``out_dir``'s :data:`SOURCE` records,
+    ``"manifest_sha256 <hex>"``; None without a readable record."""
+    try:
+        with open(os.path.join(out_dir, SOURCE)) as f:
+            made = json.load(f)
+    except (OSError, ValueError):
+        return None
+    kind = next((k for k in ("manifest_sha256", "listing_sha256") if isinstance(made, dict) and made.get(k)), None)
+    return f"{kind} {made[kind]}" if kind else None
+
+
+def stale_reason(run_dir: str, out_dir: str, step: int, dtype: str = "float32") -> Optional[str]:
+    """None when ``out_dir`` holds the export, in ``dtype``, of ``run_dir``'s checkpoint at ``step`` as that checkpoint
+    is now (its :data:`SOURCE` record names the same manifest); else why it must be made (again). Reads the
+    export's record and the checkpoint's manifest only."""
+    if not os.path.exists(os.path.join(out_dir, "config.json")):
+        return f"{out_dir} holds no export yet"
+    path = os.path.join(out_dir, SOURCE)
+    try:
+        with open(path) as f:
+            made = json.load(f)
+        if not isinstance(made, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        return f"{out_dir} has no {SOURCE} (an older fastcredit's export): which checkpoint it holds is unknown"
+    except (OSError, ValueError) as exc:
+        return f"{path} is unreadable ({type(exc).__name__}: {exc})"
+    ckpt = _checkpoint_dir(run_dir, step)
+    if not os.path.isdir(ckpt):
+        return None  # the checkpoint is gone (pruned): the export is all that is left of it, and nothing to compare
+    now, names = checkpoint_key(ckpt), {"manifest_sha256": "manifest sha256", "listing_sha256": "file listing"}
+    if {k: made.get(k) for k in now} != now:
+        was = "; ".join(f"{names[k]} {str(made[k])[:12]}…" for k in names if made.get(k)) or "no key"
+        is_ = "; ".join(f"{names[k]} {v[:12]}…" for k, v in now.items())
+        return (f"{out_dir} was made from another save of {os.path.basename(ckpt)} ({was}, now {is_}): the step was "
+                "saved again, as a collapse-guard rollback does")
+    if made.get("dtype") != dtype:
+        return f"{out_dir} holds {made.get('dtype')} weights, {dtype} asked for"
+    return None
+
+
+def export_once(run_dir: str, out_dir: str, step: Optional[int] = None, dtype: str = "float32",
+                say: Callable[[str], None] = _say) -> str:
+    """``out_dir`` once it holds the export of ``run_dir``'s checkpoint at ``step`` (default: the latest) as that
+    checkpoint is now: an earlier export is reused while :func:`stale_reason` finds nothing, else replaced."""
+    if step is None:  # the step checkpoints/latest names; find_checkpoint names what is wrong when there is none
+        from fastcredit.distributed.checkpoint import CheckpointError, latest_checkpoint
+
+        try:
+            latest = latest_checkpoint(os.path.join(run_dir, "checkpoints"))
+        except (OSError, CheckpointError):
+            latest = None
+        step = _step_of(latest or find_checkpoint(run_dir))
+    why = stale_reason(run_dir, out_dir, step, dtype)
+    if why is None:
+        if not os.path.isdir(_checkpoint_dir(run_dir, step)):
+            say(f"{_checkpoint_dir(run_dir, step)} is gone (pruned, or dropped by a rollback): {out_dir} is the "
+                "export made from it while it was there")
+        return out_dir
+    say(f"{why}: exporting {run_dir} step {step}")
+    return export_checkpoint(run_dir, out_dir, step=step, dtype=dtype, force=True, say=say)
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -46,9 +46,9 @@ FLAGS = """
 --memory-report       print the GPU and host memory budget of each phase and exit (nothing loads); exit 2 if it
                       cannot run
   --gpu-gib G         GPU size in GiB (default: the local GPU's, else 80)
-  --gpus N            GPUs, one rank each (default: WORLD_SIZE, else 1)
+  --gpus N            GPUs, one rank each (default: torchrun's WORLD_SIZE, else distributed.gpus, else 1)
   --host-gib H        host RAM of a node in GiB (default: this machine's MemTotal, /proc/meminfo)
-  --gpus-per-node N   ranks on a node (default: the smaller of --gpus and 8)
+  --gpus-per-node N   ranks on a node (default: torchrun's LOCAL_WORLD_SIZE, else the smaller of the GPUs and 8)
   --index-rows N --index-dim D   retrieval index size when its file is not here
 -h, --help [PREFIX]   this help; with PREFIX the config keys under it (rollout, optim.lr, all)
 """
@@ -87,8 +87,14 @@ def main(argv: Optional[list] = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    from fastcredit.trainer.loop import CollapseError, Trainer
+    from fastcredit.trainer.loop import CollapseError, Trainer, check_resume
 
+    if resume:
+        try:
+            check_resume(cfg)  # on every rank, before the process group starts
+        except ConfigError as exc:
+            print(f"config error: {exc}", file=sys.stderr)
+            return 2
     info = init_distributed(cfg.distributed.backend, cfg.distributed.shard_size)
     trainer = Trainer(cfg, info, resume=resume, profile=profile)
     try:
@@ -115,10 +121,10 @@ def memory_report(cfg, opts: dict) -> int:
         import torch
 
         gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
-    gpus = opts.get("--gpus") or int(os.environ.get("WORLD_SIZE", "1"))
-    per_node = opts.get("--gpus-per-node")
-    if per_node is not None and not 0 < per_node <= gpus:
-        print(f"memory report: --gpus-per-node {per_node} must be between 1 and --gpus ({gpus})", file=sys.stderr)
+    try:
+        gpus, per_node, where, node_where = report_gpus(cfg, opts, os.environ)
+    except ConfigError as exc:
+        print(f"memory report: {exc}", file=sys.stderr)
         return 2
     host_gib, source = opts.get("--host-gib"), "--host-gib"
     if host_gib is None:
@@ -130,8 +136,43 @@ def memory_report(cfg, opts: dict) -> int:
     except memory.ShapeError as exc:
         print(f"memory report: {exc}", file=sys.stderr)
         return 2
+    plan.notes.insert(0, f"GPUs: {gpus} ({where}), {plan.host.ranks_per_node} per node ({node_where})")
     print(memory.format_plan(plan))
     return 0 if plan.ok else 2
+
+
+def _env_count(env, name: str) -> int:
+    try:
+        value = int(env[name])
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"{name}={env[name]!r} in the environment is not a number of GPUs (torchrun sets it to "
+                          "one, two, ...); unset it or pass --gpus")
+    return value
+
+
+def report_gpus(cfg, opts: dict, env) -> tuple[int, Optional[int], str, str]:
+    """``(GPUs, GPUs per node or None for the plan's default, where each came from)`` for --memory-report: --gpus,
+    else torchrun's WORLD_SIZE (with LOCAL_WORLD_SIZE per node), else the config's distributed.gpus, else 1;
+    --gpus-per-node always wins. ConfigError names a value that cannot be."""
+    per_node, node_where = opts.get("--gpus-per-node"), "--gpus-per-node"
+    if opts.get("--gpus") is not None:
+        gpus, name, where = opts["--gpus"], "--gpus", "--gpus"
+        if gpus < 1:
+            raise ConfigError(f"--gpus {gpus} must be at least 1")
+    elif env.get("WORLD_SIZE"):
+        gpus, name, where = _env_count(env, "WORLD_SIZE"), "WORLD_SIZE", "torchrun's WORLD_SIZE"
+        if per_node is None and env.get("LOCAL_WORLD_SIZE"):
+            per_node, node_where = _env_count(env, "LOCAL_WORLD_SIZE"), "torchrun's LOCAL_WORLD_SIZE"
+    elif cfg.distributed.gpus > 0:
+        gpus, name = cfg.distributed.gpus, "distributed.gpus"
+        where = "the config's distributed.gpus; --gpus or torchrun's WORLD_SIZE would come first"
+    else:
+        gpus, name, where = 1, "the GPU count", "none stated by --gpus, WORLD_SIZE or distributed.gpus: one"
+    if per_node is not None and not 0 < per_node <= gpus:
+        raise ConfigError(f"{node_where.split()[-1]} {per_node} must be between 1 and {name} ({gpus})")
+    return gpus, per_node, where, node_where if per_node is not None else "the smaller of the GPUs and 8"
 
 
 def _report(trainer, summary: dict) -> None:

@@ -207,3 +207,36 @@ def test_eval_of_a_run_goes_through_its_exported_checkpoint(run, capsys):
     for p in map(json.loads, open(os.path.join(folder, "predictions.jsonl"))):
         assert p["em"] == searchr1_em(p["prediction"], p["golden_answers"])
     assert "| model" not in printed and "| trained step 2 |" in printed
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # save_checkpoint in this one process
+def test_predictions_of_an_earlier_save_of_the_step_are_not_mixed_in(run, tmp_path, capsys):
+    """The run's step saved again with other weights (a collapse-guard rollback): its export is made again, and the
+    predictions the earlier weights left in --out are refused until --fresh."""
+    import shutil
+
+    import torch
+
+    from fastcredit.distributed.checkpoint import load_checkpoint, save_checkpoint
+    from fastcredit.models.packed import PolicyModel
+    from fastcredit.trainer.parts import load_policy
+    from transformers import AutoTokenizer
+
+    copy, out = str(tmp_path / "run"), str(tmp_path / "eval")
+    shutil.copytree(run[0], copy)
+    args = ["--model", copy, "--limit", "7", "--out", out]
+    assert E.main(args) == 0
+    ckpt = os.path.join(copy, "checkpoints", "step_000002")
+    policy = PolicyModel(load_policy(load_config(os.path.join(copy, "config.yaml")),
+                                     AutoTokenizer.from_pretrained(os.path.join(copy, "tokenizer"))))
+    load_checkpoint(ckpt, {"policy": policy}, {})
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.25)
+    save_checkpoint(os.path.join(copy, "checkpoints"), 2, {"policy": policy}, {}, {})
+    capsys.readouterr()
+    assert E.main(args) == 2
+    printed = capsys.readouterr()
+    assert "made from another save of step_000002" in printed.out
+    assert "holds predictions of another evaluation (checkpoint differ" in printed.err and "--fresh" in printed.err
+    assert E.main([*args, "--fresh"]) == 0

@@ -5,6 +5,7 @@ ZeRO-3 its own partitions. The FSDP2 export gives the trainer's own logits at th
 fastcredit.distributed.checkpoint into a fresh PolicyModel); the DeepSpeed export holds DeepSpeed's consolidated fp32
 weights. Checkpoints written by two ranks, and vLLM loading an export, are marked slow.
 """
+import hashlib
 import json
 import os
 import shutil
@@ -286,6 +287,81 @@ def test_tied_weights_that_differ_in_the_checkpoint_are_refused(fsdp_run, tmp_pa
     with pytest.raises(ExportError, match="model.embed_tokens.weight and lm_head.weight are one tied tensor in the "
                                           "model but differ in the checkpoint"):
         export_checkpoint(str(run), str(tmp_path / "hf"))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # save_checkpoint in this one process
+def test_a_step_saved_again_is_exported_again(fsdp_run, tmp_path, monkeypatch, capsys):
+    """eval's export of step N is reused while step N is the save it was made from; once step N is saved again with
+    other weights (a collapse-guard rollback), it is made again, replacing the old one only when complete."""
+    import fastcredit.export as X
+    from fastcredit.distributed.checkpoint import save_checkpoint
+    from fastcredit.eval import resolve_model
+    from fastcredit.models.packed import PolicyModel
+
+    run = tmp_path / "run"
+    shutil.copytree(fsdp_run, run)
+    folder = str(run / "exports" / "step_000001")
+    assert resolve_model(str(run), None) == (folder, str(run), 1)
+    first, shard = weights(hf_model(folder)), os.path.join(folder, "model.safetensors")
+    made = os.stat(shard).st_mtime_ns
+    capsys.readouterr()
+    assert resolve_model(str(run), None)[0] == folder and os.stat(shard).st_mtime_ns == made  # reused
+    assert "export" not in capsys.readouterr().out
+
+    policy = PolicyModel(trainer_policy(str(run), step=1))
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.25)
+    save_checkpoint(str(run / "checkpoints"), 1, {"policy": policy}, {}, {})  # step 1 again, other weights
+
+    def refuse(*args):
+        raise ExportError("refused for the test")
+
+    monkeypatch.setattr(X, "_tokenizer_check", refuse)  # the new export fails after its weights are written
+    with pytest.raises(ExportError, match="refused for the test"):
+        resolve_model(str(run), None)
+    got = weights(hf_model(folder))  # the earlier export is still there, whole
+    assert all(torch.equal(got[k], first[k]) for k in first)
+    assert sorted(os.listdir(run / "exports")) == ["step_000001"]  # nothing half-written left beside it
+    monkeypatch.undo()
+
+    assert resolve_model(str(run), None)[0] == folder
+    got, ref = weights(hf_model(folder)), weights(trainer_policy(str(run), step=1))
+    assert not torch.equal(got["model.norm.weight"], first["model.norm.weight"])
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+    assert "was made from another save of step_000001 (manifest sha256" in capsys.readouterr().out
+    assert sorted(os.listdir(run / "exports")) == ["step_000001"]
+    record = json.load(open(os.path.join(folder, X.SOURCE)))
+    assert (record["step"], record["dtype"]) == (1, "float32") and len(record["manifest_sha256"]) == 64
+
+
+def test_which_export_is_stale_is_read_from_its_record_and_the_manifest(tmp_path, capsys):
+    """No weights read: an export without a record, or with another manifest's digest or dtype, is made again; one
+    whose checkpoint is gone is all there is (kept, and said)."""
+    from fastcredit.export import SOURCE, export_once, stale_reason
+
+    run, out = tmp_path / "run", tmp_path / "run" / "exports" / "step_000003"
+    ckpt = run / "checkpoints" / "step_000003"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest.json").write_text('{"files": {"trainer.json": "a"}}')
+    assert "holds no export yet" in stale_reason(str(run), str(out), 3)
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    assert "has no fastcredit_source.json (an older fastcredit's export)" in stale_reason(str(run), str(out), 3)
+    (out / SOURCE).write_text("[1, 2]")
+    assert "fastcredit_source.json is unreadable" in stale_reason(str(run), str(out), 3)
+    digest = hashlib.sha256((ckpt / "manifest.json").read_bytes()).hexdigest()
+    (out / SOURCE).write_text(json.dumps({"step": 3, "manifest_sha256": digest, "dtype": "float32"}))
+    assert stale_reason(str(run), str(out), 3) is None
+    assert "holds float32 weights, bfloat16 asked for" in stale_reason(str(run), str(out), 3, "bfloat16")
+    (ckpt / "manifest.json").write_text('{"files": {"trainer.json": "b"}}')  # step 3 saved again
+    assert f"made from another save of step_000003 (manifest sha256 {digest[:12]}…, now" in \
+        stale_reason(str(run), str(out), 3)
+    shutil.rmtree(ckpt)
+    assert export_once(str(run), str(out), 3) == str(out)  # nothing to export from: the export is kept
+    assert "step_000003 is gone (pruned, or dropped by a rollback)" in capsys.readouterr().out
 
 
 def test_help_and_bad_flags(capsys):

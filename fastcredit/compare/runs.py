@@ -35,7 +35,7 @@ import time
 from typing import Optional
 
 from fastcredit.compare.report import read_metrics, summarize_run
-from fastcredit.config import ConfigError, load_config, to_dict
+from fastcredit.config import ConfigError, config_drift, load_config
 from fastcredit.runtime.profiling import device_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -202,21 +202,12 @@ class _Run:
 _PATH_KEYS = ("logging.output_dir", "warmstart.cache_dir", "data.world_dir")
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-def config_drift(saved: str, expected) -> list[str]:
+def saved_run_drift(saved: str, expected) -> list[str]:
     """``key: saved → expected`` for each setting where the run config saved at ``saved`` (if any) differs from the
     config this command gives that run (paths aside)."""
     if not os.path.exists(saved):
         return []
-    before, now = _flat(to_dict(load_config(saved))), _flat(to_dict(expected))
-    return [f"{k}: {before.get(k)!r} → {now.get(k)!r}" for k in sorted(set(before) | set(now))
-            if k not in _PATH_KEYS and before.get(k) != now.get(k)]
+    return config_drift(load_config(saved), expected, ignore=_PATH_KEYS)
 
 
 def run_all(args, overrides: list[str], cfg) -> Optional[str]:
@@ -237,7 +228,7 @@ def run_all(args, overrides: list[str], cfg) -> Optional[str]:
         folder = os.path.join(args.runs, label, f"seed{seed}")
         run_overrides = [*shared, *extra, f"seed={seed}", f"run_name={cfg.run_name}-{label}-seed{seed}",
                          f"logging.output_dir={folder}"]
-        drift = config_drift(os.path.join(folder, "config.yaml"), load_config(args.config, run_overrides))
+        drift = saved_run_drift(os.path.join(folder, "config.yaml"), load_config(args.config, run_overrides))
         if drift:
             raise ConfigError(f"{folder} holds a run made with other settings ({'; '.join(drift[:5])}"
                               f"{'; …' if len(drift) > 5 else ''}): keep it apart with another --runs folder, or "

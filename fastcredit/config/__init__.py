@@ -11,7 +11,8 @@ is checked by ``fastcredit.credit.needs``.
 """
 from fastcredit.config.credit import CreditConfig
 from fastcredit.config.errors import ConfigError, ConfigPathError
-from fastcredit.config.load import all_keys, dump_yaml, load_config, parse_cli, save_config, to_dict, validate
+from fastcredit.config.load import (all_keys, config_drift, dump_yaml, load_config, parse_cli, save_config, to_dict,
+                                    validate)
 from fastcredit.config.loss import LossConfig
 from fastcredit.config.schema import (DataConfig, DistributedConfig, EvalConfig, GuardConfig, JudgesConfig,
                                       LoggingConfig, ModelConfig, OptimConfig, ProceedRolloutConfig,
@@ -21,5 +22,5 @@ from fastcredit.config.toy import ToyWorldConfig
 __all__ = ["ConfigError", "ConfigPathError", "CreditConfig", "DataConfig", "DistributedConfig", "EvalConfig",
            "GuardConfig", "JudgesConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OptimConfig",
            "ProceedRolloutConfig", "RetrievalConfig", "RolloutConfig", "ToyWorldConfig", "TrainConfig",
-           "WarmStartConfig", "all_keys", "dump_yaml", "load_config", "parse_cli", "save_config", "to_dict",
-           "validate"]
+           "WarmStartConfig", "all_keys", "config_drift", "dump_yaml", "load_config", "parse_cli", "save_config",
+           "to_dict", "validate"]

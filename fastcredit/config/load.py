@@ -246,6 +246,26 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def flat_dict(d: dict, prefix: str = "") -> dict:
+    """``{"optim": {"lr": 1}}`` → ``{"optim.lr": 1}``."""
+    out = {}
+    for k, v in d.items():
+        out.update(flat_dict(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def config_drift(before, now, ignore: typing.Sequence[str] = ()) -> list[str]:
+    """``key: before → now`` for every key where two configs differ, sorted; ``ignore`` holds keys, and prefixes
+    ending in ``.`` (a whole section), left out of the comparison."""
+    a, b = flat_dict(to_dict(before)), flat_dict(to_dict(now))
+
+    def ignored(key: str) -> bool:
+        return any(key == i or (i.endswith(".") and key.startswith(i)) for i in ignore)
+
+    return [f"{k}: {a.get(k)!r} → {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if not ignored(k) and a.get(k) != b.get(k)]
+
+
 def dump_yaml(cfg) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None)
 

@@ -197,6 +197,10 @@ class DistributedConfig:
     shard_size: int = opt(-1, "FSDP2 shard group size, HSDP when it divides the world (-1: all "
                               "ranks; engine=fsdp2 only)", range=COUNT, also=(-1,), note="-1: all ranks")
     colocate: bool = opt(True, "rollout, judge and training take turns on every GPU (vLLM sleep mode)")
+    gpus: int = opt(0, "GPUs the run is planned for, one rank each (a paper config: its paper's count); "
+                       "--memory-report plans for it unless --gpus or torchrun's WORLD_SIZE says otherwise. Training "
+                       "runs on the ranks torchrun starts, whatever this says (0: not stated, one GPU)",
+                    range=NONNEG, note="0: not stated, one GPU")
 
 
 @dataclass

@@ -57,7 +57,7 @@ def compute_criticsearch_advantage(inputs: CreditInputs, cfg: CreditConfig) -> C
     adv_S = c.alpha * turn_adv_S + (1.0 - c.alpha) * adv_B[inputs.seg_traj_S]
     metrics = group_metrics(inputs)
     n_scored = int(scored_S.sum())
-    if n_scored:
+    if n_scored:  # of the scored search turns, the share labelled Good (the labels Eq. 7 used)
         metrics["good_turn_frac"] = float(r_S.sum()) / n_scored
     if inputs.critic_ok_B is not None and inputs.B:
         metrics["critic_failure_rate"] = float((~inputs.critic_ok_B.bool()).double().mean())

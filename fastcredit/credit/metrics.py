@@ -16,10 +16,11 @@ the loss (``loss_mask_N``, else every action token):
   GRPO would push (0 for ``grpo``; value baselines reverse some tokens by design).
 
 Each estimator adds its own: ``degenerate_group_frac`` (group-based ones),
-``good_turn_frac`` (criticsearch: search turns labelled Good; cwgrpo: judged rounds
-with ``p = 1``), ``critic_failure_rate`` (criticsearch), ``weight_entropy`` and
-``judge_failure_rate`` (cwgrpo), ``demo_token_frac`` and ``masked_token_frac``
-(proceed), ``step_reward_mean`` (pica).
+``good_turn_frac`` and ``critic_failure_rate`` (criticsearch; ``good_turn_frac``: of the
+scored search turns, the share labelled Good), ``contributive_round_frac`` (cwgrpo: of the
+judged rounds, non-final rounds of successes, the share with ``p = u·v = 1``; another judge
+over other turns, hence another name), ``weight_entropy`` and ``judge_failure_rate``
+(cwgrpo), ``demo_token_frac`` and ``masked_token_frac`` (proceed), ``step_reward_mean`` (pica).
 """
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
     path = find_checkpoint("runs/x", step=200)         # the step's folder, verified against its manifest
     what = read_policy_weights(path, lm)               # FSDP2 (DCP) or DeepSpeed ZeRO, into lm in place
+    key = checkpoint_key(path)                         # {"manifest_sha256": ...}: which save of the step it is
 
 Both kinds of checkpoint ``fastcredit.distributed.checkpoint`` writes are read without a process
 group: FSDP2's DCP folder (only the policy's ``policy.model.lm.*`` tensors, each reassembled from the
@@ -12,6 +13,8 @@ weights do not match the model by name and shape, is refused with the key named 
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import warnings
 from typing import Optional
@@ -68,6 +71,26 @@ def find_checkpoint(run_dir: str, step: Optional[int] = None) -> str:
         raise ExportError(f"{path} is damaged; pass --step with another (available: {listing}):\n  "
                           + "\n  ".join(problems))
     return path
+
+
+def checkpoint_key(ckpt: str) -> dict:
+    """Which save of a step the checkpoint folder ``ckpt`` is: ``{"manifest_sha256": ...}``, the sha256 of its
+    manifest.json, which lists every file's sha256, so a step saved again with other weights (a collapse-guard
+    rollback rewrites step N) gets another key; without a manifest (an older fastcredit's checkpoint)
+    ``{"listing_sha256": ...}`` of its files' names, sizes and modification times. Cheap: nothing else is read."""
+    from fastcredit.distributed.checkpoint import MANIFEST
+
+    try:
+        with open(os.path.join(ckpt, MANIFEST), "rb") as f:
+            return {"manifest_sha256": hashlib.sha256(f.read()).hexdigest()}
+    except FileNotFoundError:
+        pass
+    listing = []
+    for base, _, names in os.walk(ckpt):
+        for name in names:
+            st = os.stat(os.path.join(base, name))
+            listing.append((os.path.relpath(os.path.join(base, name), ckpt), st.st_size, st.st_mtime_ns))
+    return {"listing_sha256": hashlib.sha256(json.dumps(sorted(listing)).encode()).hexdigest()}
 
 
 def tie_groups(lm: torch.nn.Module) -> list[list[str]]:

@@ -89,6 +89,7 @@ class JudgePhase:
         self.critic = CriticSearchCritic(backend, cfg.credit.critic.retries, cfg.credit.criticsearch.gold_answer) \
             if kind == "critic" else None
         self.judge = CWGRPOJudge(backend, cfg.credit.critic.retries) if kind == "round_judge" else None
+        self.credit = cfg.credit  # who the CW-GRPO judge is asked about: the estimator's successes
         self.prm = cfg.judges.prm if kind == "prm" else None
         self.oracle_noise, self.seed = cfg.judges.oracle_noise, cfg.seed
         self._totals: dict = {}  # the runners' running totals at the last step, so each step logs its own counts
@@ -125,7 +126,12 @@ class JudgePhase:
             extras.update(critic_label_S=label, critic_ok_B=ok)
             metrics.update(self._this_step("critic", stats))
         if self.judge is not None:
-            success = (reward > 0).tolist()  # the released code judges only rewarded trajectories
+            from fastcredit.credit.cwgrpo import cwgrpo_success
+
+            # Only the trajectories whose rounds the estimator weights, by its own test on the reward as
+            # CreditInputs.from_batch reads it (float32): a format-only or partial reward is not asked about.
+            reward_B = torch.as_tensor(reward, dtype=torch.float32)
+            success = cwgrpo_success(reward_B, result.batch.group_id_B, self.credit).tolist()
             u, v, ok, stats = run_sync(self.judge.score(items, success))
             extras.update(judge_u_S=u, judge_v_S=v, judge_ok_B=ok)
             metrics.update(self._this_step("judge", stats))

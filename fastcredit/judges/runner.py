@@ -97,7 +97,10 @@ class CWGRPOJudge:
         self.asker = _Asker(backend, retries)
 
     async def score(self, items: Sequence[JudgeItem], success: Sequence[bool]) -> tuple[torch.Tensor, ...]:
-        """``(u_S, v_S, ok_B, stats)``; NaN on final rounds, on failed trajectories and where the judge failed."""
+        """``(u_S, v_S, ok_B, stats)``; NaN on final rounds, on trajectories not asked about and where the judge failed.
+
+        ``success``: per item, whether to ask about its rounds (the trainer passes the estimator's successes,
+        ``fastcredit.credit.cwgrpo.cwgrpo_success``)."""
         reqs, where, shown = [], [], []
         for b, (it, good) in enumerate(zip(items, success)):
             if not good:

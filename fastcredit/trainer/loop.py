@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from fastcredit.config import TrainConfig, save_config, to_dict
+from fastcredit.config import ConfigError, TrainConfig, config_drift, load_config, save_config, to_dict
 from fastcredit.credit.needs import check_needs
 from fastcredit.data.sampler import PromptSampler
 from fastcredit.distributed.process_group import DistInfo, all_reduce_sum
@@ -30,6 +30,29 @@ class CollapseError(RuntimeError):
     """The collapse guard tripped and the configured action is to stop."""
 
 
+# What a resumed run may change: keys that extend it (more steps), observe it (logging, evaluation cadence) or
+# only plan it (distributed.gpus).
+RESUME_MAY_CHANGE = ("optim.total_steps", "logging.", "eval.every", "run_name", "distributed.gpus")
+
+
+def check_resume(cfg: TrainConfig) -> None:
+    """``--resume`` continues the run saved in ``logging.output_dir`` only with the settings it was made with: a
+    ConfigError names every other key whose value differs from the saved ``config.yaml``."""
+    saved = os.path.join(cfg.logging.output_dir, "config.yaml")
+    if not os.path.exists(saved):
+        return
+    try:
+        before = load_config(saved)
+    except ConfigError as exc:
+        raise ConfigError(f"--resume: the run's saved config does not load ({exc})") from exc
+    drift = config_drift(before, cfg, ignore=RESUME_MAY_CHANGE)
+    if drift:
+        may = ", ".join(k + "*" if k.endswith(".") else k for k in RESUME_MAY_CHANGE)
+        raise ConfigError(f"--resume: {saved} was made with other settings: {'; '.join(drift)}. A resumed run may "
+                          f"change only {may}; start a new run without --resume (the old one moves to previous/) or "
+                          "in another logging.output_dir")
+
+
 class Trainer:
     """One run: its folder, metric log and parts, the step counters and prompt order; fit, evaluate, save, resume.
 
@@ -38,6 +61,8 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, info: DistInfo, resume: bool = False, profile: bool = False):
         check_needs(cfg)  # a judge, PRM or ProCeed rollouts the estimator needs, before anything is built
+        if resume:
+            check_resume(cfg)  # before the saved config.yaml is replaced
         self.cfg, self.info, self.profile = cfg, info, profile
         self.profile_start = min(2, max(cfg.optim.total_steps - 1, 0))  # nsys captures steps 2-4
         self.out_dir = cfg.logging.output_dir

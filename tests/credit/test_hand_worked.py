@@ -84,8 +84,10 @@ def test_criticsearch_eq7_eq8():
     res = _run("criticsearch", _critic_batch())
     _expect(res.adv_S, [0.25 * g + 0.75 * a, 0.75 * a, 0.75 * a, 0.25 * g + 0.75 * a, 0.75 * a, -0.75 * a, -0.75 * a])
     _expect(res.turn_S["turn_adv"], [g, 0, 0, g, 0, 0, 0])
+    # good_turn_frac: of the scored search turns (not the invalid or final turns), the share labelled Good.
     assert res.metrics["good_turn_frac"] == pytest.approx(2 / 4)  # 4 search turns, 2 Good
     assert res.metrics["critic_failure_rate"] == 0.0
+    assert "contributive_round_frac" not in res.metrics  # CW-GRPO's metric, another judge over other turns
 
 
 def test_criticsearch_failure_policies():
@@ -96,10 +98,13 @@ def test_criticsearch_failure_policies():
     res = _run("criticsearch", inputs)
     _expect(res.adv_S[:5], [0.25 * t + 0.75 * a, 0.25 * t + 0.75 * a, 0.75 * a, 0.25 * t + 0.75 * a, 0.75 * a])
     assert res.metrics["critic_failure_rate"] == 0.5
+    assert res.metrics["good_turn_frac"] == pytest.approx(3 / 4)  # the labels used: EM's 3 Good, 1 Bad
     # skip: A^a = 0 for trajectory 0, so every turn gets (1 − α) Â = 0.75 · Â.
     cfg = CreditConfig()
     cfg.critic.on_failure = "skip"
-    _expect(_run("criticsearch", inputs, cfg).adv_S[:5], [0.75 * a] * 5)
+    res = _run("criticsearch", inputs, cfg)
+    _expect(res.adv_S[:5], [0.75 * a] * 5)
+    assert res.metrics["good_turn_frac"] == 0.0  # scored: trajectory 1's one search, Bad
 
 
 def _cw_batch(u, v, rewards=(1.0, 0.0), ok=(True, True)):
@@ -120,7 +125,10 @@ def test_cwgrpo_alpha_inf_and_failure():
     res = _run("cwgrpo", _cw_batch(u, v))
     _expect(res.adv_S, [1.5 * a, 0.0, 1.5 * a, a, -a, -a, -a, 0.0])
     _expect(res.turn_S["weight"], [0.5, 0, 0.5, 0, 0.5, 0.5, 0, 0])
-    assert res.metrics["good_turn_frac"] == pytest.approx(2 / 3)
+    # contributive_round_frac: of the judged rounds (non-final rounds of successes), the share with p = 1: 2 of
+    # trajectory 0's 3; the failure's rounds and the final round are not judged. Not CriticSearch's good_turn_frac.
+    assert res.metrics["contributive_round_frac"] == pytest.approx(2 / 3)
+    assert "good_turn_frac" not in res.metrics
     assert res.metrics["weight_entropy"] == pytest.approx(math.log(2))  # −2 · 0.5 log 0.5
 
 
@@ -150,11 +158,15 @@ def test_cwgrpo_success_by_and_judge_failure():
     u, v = [1, 0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 1, 1, 1, 1]
     # Rewards (0.8, 0.0): not R = 1, so by 'reward' trajectory 0 is a failure → uniform, A_t = Â.
     a = 0.4 / (math.sqrt(0.32) + 1e-6)
-    _expect(_run("cwgrpo", _cw_batch(u, v, rewards=(0.8, 0.0))).adv_S[:4], [a, a, a, a])
+    res = _run("cwgrpo", _cw_batch(u, v, rewards=(0.8, 0.0)))
+    _expect(res.adv_S[:4], [a, a, a, a])
+    assert "contributive_round_frac" not in res.metrics  # no success, so no judged round (trajectory 1 has p = 1)
     # By 'advantage' (Â ≥ 0, the released code) it is a success: p = (1, 0, 0) → c = (1, 0, 0), A = (3Â, 0, 0).
     cfg = CreditConfig()
     cfg.cwgrpo.success_by = "advantage"
-    _expect(_run("cwgrpo", _cw_batch(u, v, rewards=(0.8, 0.0)), cfg).adv_S[:4], [3 * a, 0, 0, a])
+    res = _run("cwgrpo", _cw_batch(u, v, rewards=(0.8, 0.0)), cfg)
+    _expect(res.adv_S[:4], [3 * a, 0, 0, a])
+    assert res.metrics["contributive_round_frac"] == pytest.approx(1 / 3)
     # A success whose judge failed gets the uniform weights.
     a1 = 0.5 / (math.sqrt(0.5) + 1e-6)
     res = _run("cwgrpo", _cw_batch(u, v, ok=(False, True)))

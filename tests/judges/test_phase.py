@@ -132,3 +132,72 @@ def test_each_step_logs_its_own_judge_counts():
     assert second == {"critic/requests": 28.0, "critic/parse_failures": 1.0, "critic/retries": 1.0,
                       "critic/failed": 1.0, "critic/failure_rate": 0.25}
     assert phase._this_step("judge", {"requests": 5})["judge/requests"] == 5.0  # counted apart per judge
+
+
+class _CountingJudge:
+    """A CW-GRPO judge backend that records what it is asked: round 0 of a trajectory is contributive, others not."""
+
+    def __init__(self):
+        self.asked = []  # (question, round) of every request
+
+    async def complete(self, requests):
+        self.asked += [(r.item.question, r.turn) for r in requests]
+        return ['{"thinking_reward": 1, "retrieval_reward": %d}' % (r.turn == 0) for r in requests]
+
+
+# (reward, group, search rounds before the answer) per trajectory: a success, a format-only 0.2, a failure in
+# group 0; a format-only 0.2 and a failure in group 1.
+_CW_BATCH = [(1.0, 0, 3), (0.2, 0, 2), (0.0, 0, 1), (0.2, 1, 1), (0.0, 1, 1)]
+
+
+def _cw_rollout():
+    import types
+
+    import torch
+
+    from fastcredit.credit.types import TurnKind
+    from fastcredit.rollout.trajectory import Turn, from_turns
+
+    def step(kind, b, t):
+        return types.SimpleNamespace(kind=kind, action_text=f"<search>q{b} round {t}</search>",
+                                     obs_text=f"<information>doc {b}.{t}</information>", query=f"q{b}",
+                                     retrieved_ids=[])
+
+    episodes = [types.SimpleNamespace(steps=[step(TurnKind.SEARCH, b, t) for t in range(n)]
+                                      + [step(TurnKind.ANSWER, b, n)]) for b, (_, _, n) in enumerate(_CW_BATCH)]
+    batch = from_turns([[Turn([1], "search", [2])] * n + [Turn([1], "answer")] for _, _, n in _CW_BATCH],
+                       group_id=[g for _, g, _ in _CW_BATCH], em=[float(r == 1.0) for r, _, _ in _CW_BATCH],
+                       predictions=["B"] * len(_CW_BATCH))
+    examples = [types.SimpleNamespace(question=f"question {b}", golden_answers=["B"]) for b in range(len(_CW_BATCH))]
+    reward = torch.tensor([r for r, _, _ in _CW_BATCH])
+    return types.SimpleNamespace(episodes=episodes, batch=batch), examples, reward
+
+
+@pytest.mark.parametrize("success_by, judged", [("reward", [0]), ("advantage", [0, 3])])
+def test_cwgrpo_judges_only_the_trajectories_its_estimator_weights(success_by, judged):
+    # reward: only R = 1 is a success, the format-only 0.2 rewards are not; advantage: Â ≥ 0, so trajectory 3
+    # (0.2 against 0.0) is one and trajectory 1 (0.2 against 1.0) is not. Asking about every r > 0 would send 6.
+    import asyncio
+
+    import torch
+
+    from fastcredit.credit import CreditInputs, compute_advantages
+    from fastcredit.judges.runner import CWGRPOJudge
+    from fastcredit.judges.types import items_from_rollout
+
+    cfg = load_config(None, ["credit.estimator=cwgrpo", f"credit.cwgrpo.success_by={success_by}"])
+    backend = _CountingJudge()
+    phase = build_judge_phase(cfg, backend, policy_engine=None)
+    result, examples, reward = _cw_rollout()
+    extras, metrics = phase.score(result, examples, reward)
+    want = [(f"question {b}", t) for b in judged for t in range(_CW_BATCH[b][2])]
+    assert sorted(backend.asked) == want
+    assert metrics["judge/requests"] == len(want)
+    # Verdicts on every trajectory change nothing the estimator computes: it reads only those it was given.
+    items = items_from_rollout(result.episodes, examples, result.batch.em_B.tolist(), result.batch.predictions)
+    u, v, ok, _ = asyncio.run(CWGRPOJudge(_CountingJudge()).score(items, [True] * len(items)))
+    every = compute_advantages("cwgrpo", CreditInputs.from_batch(result.batch, reward, judge_u_S=u, judge_v_S=v,
+                                                                 judge_ok_B=ok), cfg.credit)
+    asked = compute_advantages("cwgrpo", CreditInputs.from_batch(result.batch, reward, **extras), cfg.credit)
+    assert torch.equal(asked.adv_S, every.adv_S) and asked.metrics == every.metrics
+    assert asked.metrics["contributive_round_frac"] == pytest.approx(len(judged) / len(want))  # round 0 of each
