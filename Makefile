@@ -27,9 +27,9 @@ env: $(STAMP)
 $(STAMP): setup.py Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade "pip>=24" "setuptools>=70" wheel
-	@# --no-compile: byte-compiling all ~26,000 modules of the stack takes about 95 s on 2 cores; Python compiles
-	@# the few thousand a run imports on first use instead (and caches them).
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile -e ".[$(STACK),dev]"
+	@# (not --no-compile: it saves ~95 s here, but where PYTHONDONTWRITEBYTECODE is set, as on this project's CI,
+	@# every process would then compile torch and transformers from source again)
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[$(STACK),dev]"
 ifeq ($(STACK),gpu)
 	@# The CUDA extension, without build isolation (torch must be importable while it builds); it must load.
 	FASTCREDIT_BUILD_CUDA=1 $(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation --use-pep517 -e .
