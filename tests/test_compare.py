@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from fastcredit.compare.runs import summarize_run, variants
+from fastcredit.config import load_config
 from fastcredit.compare.report import format_markdown, mean_interval, steps_to, summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,14 +44,19 @@ def test_compare_runs_every_method_resumes_and_reproduces(tmp_path):
     other_lr = compare(tmp_path, runs, "--methods", "grpo", "--seeds", "1", "optim.lr=0.5")
     assert other_lr.returncode == 2 and "grpo/seed0 holds a run made with other settings" in other_lr.stderr
     assert "optim.lr: 0.001 → 0.5" in other_lr.stderr
-    # The same seed in a fresh folder reproduces the numbers (noisy judge included), with two runs side by side.
+    # The same seed in a fresh folder reproduces the numbers (noisy judge included), with two runs side by side;
+    # a second seed starts from the same warm start.
     other = tmp_path / "runs2"
-    proc = compare(tmp_path, other, "--methods", "criticsearch", "--seeds", "1", "--noise", "0.5", "--jobs", "2")
+    proc = compare(tmp_path, other, "--methods", "criticsearch", "--seeds", "2", "--noise", "0.5", "--jobs", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for label in ("criticsearch", "criticsearch+noise0.5"):
         a = json.loads((runs / label / "seed0" / "result.json").read_text())
         b = json.loads((other / label / "seed0" / "result.json").read_text())
         assert a["eval_em"] == b["eval_em"] and a["judge_calls_per_step"] == b["judge_calls_per_step"]
+        seed1 = json.loads((other / label / "seed1" / "result.json").read_text())
+        assert seed1["eval_em"]["0"] == a["eval_em"]["0"]  # the same warm start, the same held-out questions
+        saved = load_config(str(other / label / "seed1" / "config.yaml"))
+        assert (saved.seed, saved.warmstart.seed, saved.eval.seed) == (1, 0, 0)
     # The warm start was made once in each folder and shared by every run and seed.
     assert len(list((runs / "warmstart").glob("warmstart_*.pt"))) == 1
     assert len(list((other / "warmstart").glob("warmstart_*.pt"))) == 1
