@@ -32,7 +32,7 @@ import xml.etree.ElementTree as ET
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 STAGES = ("kernels", "build", "rules")
-RULE_TESTS = ["tests/distributed/test_gpu_rules.py", "tests/distributed/test_devices.py",
+RULE_TESTS = ["tests/distributed/test_gpu_rules.py", "tests/runtime/test_devices.py",
               "tests/rollout/test_vllm_device.py"]
 CANNOT = [
     "kernel speed, occupancy achieved and numerics on tensor cores (the interpreter ignores input precision; "

@@ -88,3 +88,11 @@ def test_ranks_stage_counts_the_gpus_of_the_runs_own_processes(tmp_path, monkeyp
     t.join(10)
     assert seen == {"GPU-aaa": 500, "GPU-bbb": 700}
     assert os.getpid() in _descendants(os.getppid())
+
+
+def test_the_preflights_rule_tests_exist():
+    """make gpu-preflight runs these files by path: a moved test file must not turn its rules stage into 0 tests."""
+    from gpu_preflight import RULE_TESTS
+
+    missing = [p for p in RULE_TESTS if not os.path.exists(os.path.join(ROOT, p))]
+    assert RULE_TESTS and missing == []
