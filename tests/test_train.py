@@ -3,10 +3,11 @@ and resumed gives the same step 2 as an uninterrupted run; the collapse guard st
 train with FSDP2 and with DeepSpeed ZeRO-3, whose checkpoints also resume to the same step 2."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["data.toy.num_people=80", "data.toy.num_companies=20", "data.toy.num_questions=60", "eval.questions=4"]
@@ -38,7 +39,7 @@ def train(out, *overrides, resume=False, check=True, entry=("-m", "fastcredit.tr
            f"warmstart.cache_dir={os.path.join(WORLD['dir'], 'warmstarts')}", *overrides]
     if resume:
         cmd.append("--resume")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -2,7 +2,8 @@
 
 Per method (and noisy-judge variant): held-out EM at the start and at the end, mean ± 95%
 interval over seeds (Student's t; one seed has no interval), the difference to GRPO paired by
-seed with its interval, the steps to reach a threshold EM (mean over the seeds that reach it,
+seed with its interval, the mean held-out EM over the evaluations after step 0 (learning speed)
+with its paired difference to GRPO, the steps to reach a threshold EM (mean over the seeds that reach it,
 and how many do), how often the method's credit goes against the trajectory's outcome,
 seconds per step and judge calls per step; then a second table, the credit accuracy per turn
 (``CREDIT_METRICS``: each run's mean over its training steps, then mean ± 95% interval over
@@ -117,6 +118,20 @@ def _curve(r: dict) -> list[tuple[int, float]]:
     return sorted((int(k), v) for k, v in r["eval_em"].items())
 
 
+def mean_after_start(r: dict) -> Optional[float]:
+    """The mean held-out EM over the run's evaluations after step 0 (learning speed: the area under its curve);
+    None for a run evaluated only at the start."""
+    later = [em for s, em in _curve(r) if s > 0]
+    return sum(later) / len(later) if later else None
+
+
+def _paired(rows: list[dict], base: dict, value) -> tuple[list[float], Optional[float], Optional[float]]:
+    """``(differences, mean, 95% half-width)`` of ``value(run) - base[seed]`` over the runs whose seed ``base``
+    has (each method against GRPO's run of the same seed)."""
+    diffs = [value(r) - base[r["seed"]] for r in rows if r["seed"] in base and value(r) is not None]
+    return (diffs, *mean_interval(diffs)) if diffs else (diffs, None, None)
+
+
 def steps_to(r: dict, threshold: float) -> Optional[int]:
     """The first evaluated step (after 0) whose held-out EM reaches ``threshold``; None if none does."""
     return next((s for s, em in _curve(r) if s > 0 and em >= threshold), None)
@@ -132,19 +147,26 @@ def summarize(results: dict[str, list[dict]], threshold: Optional[float]) -> dic
     if threshold is None and finals:
         base = "grpo" if "grpo" in finals else next(iter(finals))
         threshold = sum(finals[base]) / len(finals[base])
-    grpo_by_seed = {r["seed"]: _curve(r)[-1][1] for r in results.get("grpo", [])}
+    grpo = results.get("grpo", [])
+    grpo_final = {r["seed"]: _curve(r)[-1][1] for r in grpo}
+    grpo_mean = {r["seed"]: mean_after_start(r) for r in grpo if mean_after_start(r) is not None}
     table = {}
     for label, rows in results.items():
         final, ci = mean_interval(finals[label])
         start, _ = mean_interval([_curve(r)[0][1] for r in rows])
+        speeds = [m for m in map(mean_after_start, rows) if m is not None]
+        speed, speed_ci = mean_interval(speeds) if speeds else (None, None)
         reached = [s for s in (steps_to(r, threshold) for r in rows) if s is not None]
         secs = [r["seconds_per_step"] for r in rows if r.get("seconds_per_step") is not None]
         against = [r["against_outcome_frac"] for r in rows if r.get("against_outcome_frac") is not None]
-        diffs = [_curve(r)[-1][1] - grpo_by_seed[r["seed"]] for r in rows if r["seed"] in grpo_by_seed]
-        vs, vs_ci = mean_interval(diffs) if diffs and label != "grpo" else (None, None)
+        other = label != "grpo"
+        diffs, vs, vs_ci = _paired(rows, grpo_final, lambda r: _curve(r)[-1][1]) if other else ([], None, None)
+        _, vs_speed, vs_speed_ci = _paired(rows, grpo_mean, mean_after_start) if other else ([], None, None)
         table[label] = {
             "seeds": [r["seed"] for r in rows], "start_em": start, "final_em": final, "final_em_ci95": ci,
             "final_em_per_seed": finals[label], "vs_grpo": vs, "vs_grpo_ci95": vs_ci, "vs_grpo_seeds": len(diffs),
+            "mean_em": speed, "mean_em_ci95": speed_ci, "mean_em_vs_grpo": vs_speed,
+            "mean_em_vs_grpo_ci95": vs_speed_ci,
             "steps": max(r["steps"] for r in rows),
             "steps_to_threshold": sum(reached) / len(reached) if reached else None,
             "reached_threshold": f"{len(reached)}/{len(rows)}",
@@ -183,13 +205,17 @@ def format_markdown(summary: dict, device: str, name: str) -> str:
              "*vs GRPO*: the mean per-seed difference to GRPO's run of the same seed (same warm start, prompts and "
              f"held-out questions) ± its 95% interval. Steps to EM ≥ {_fmt(thr)} (the default threshold is GRPO's "
              "final mean): mean over the seeds that reach it. *Against outcome*: share of advantage tokens whose "
-             "sign is opposite to their trajectory's outcome in its group (0 for GRPO).", "",
-             "| method | seeds | EM at start | final EM | vs GRPO | steps to threshold (reached) | against outcome | "
-             "s / step | judge calls / step |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "sign is opposite to their trajectory's outcome in its group (0 for GRPO). *Mean EM*: the mean over "
+             "the evaluations after step 0 (learning speed), with its per-seed difference to GRPO.", "",
+             "| method | seeds | EM at start | final EM | vs GRPO | mean EM | vs GRPO | steps to threshold (reached) | "
+             "against outcome | s / step | judge calls / step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, t in summary["methods"].items():
         lines.append(f"| {label} | {len(t['seeds'])} | {t['start_em']:.3f} | "
                      f"{_pm(t['final_em'], t['final_em_ci95'], '.3f')} | "
                      f"{_pm(t['vs_grpo'], t['vs_grpo_ci95'], '+.3f')} | "
+                     f"{_pm(t.get('mean_em'), t.get('mean_em_ci95'), '.3f')} | "
+                     f"{_pm(t.get('mean_em_vs_grpo'), t.get('mean_em_vs_grpo_ci95'), '+.3f')} | "
                      f"{_fmt(t['steps_to_threshold'], '.0f')} ({t['reached_threshold']}) | "
                      f"{_fmt(t['against_outcome_frac'], '.3f')} | "
                      f"{_fmt(t['seconds_per_step'], '.1f')} | {t['judge_calls_per_step']:.0f} |")

@@ -5,6 +5,8 @@
     python -m fastcredit.compare --config configs/compare.yaml --quick          # 1 seed, half the steps
     python -m fastcredit.compare --config configs/compare.yaml --jobs 2        # two runs side by side
     nohup python -m fastcredit.compare --config configs/compare.yaml > runs/compare.log 2>&1 &   # in the background
+    python -m fastcredit.compare --config configs/compare_starved.yaml --methods grpo,gigpo,criticsearch,pica \
+        --seeds 6 --noise 0 --jobs 2        # the powered comparison (docs/results.md), resumable across sessions
 
 One warm start is made (or loaded: ``warmstart.cache_dir``) and shared by every run; then each
 method trains for the same steps, prompts and samples with the toy world's oracle judges, and,
@@ -13,7 +15,8 @@ flipped with probability p, ``judges.oracle_noise``). Runs go one after another 
 at a time once the first has made the world, index and warm start, the cores shared out among
 them), each a ``python -m fastcredit.train`` process with its own folder under ``--runs``; a finished run is
 not redone and an interrupted one resumes from its last checkpoint, so the command can simply
-be started again (a run found there that was made with other settings is an error, exit 2).
+be started again (a run found there that was made with other settings is an error, exit 2); runs go seed by
+seed, every method of a seed before the next seed, so a comparison stopped part-way has whole seeds to pair.
 The report (``fastcredit.compare.report``) goes to ``<out>/compare_<name>_<device>.{md,json,png}``:
 held-out EM per method (mean ± 95% interval over seeds), the difference to GRPO paired by seed,
 steps to reach a threshold EM, how often the credit goes against the outcome, seconds per step
@@ -38,16 +41,19 @@ from fastcredit.compare.report import read_metrics, summarize_run
 from fastcredit.config import ConfigError, config_drift, load_config
 from fastcredit.runtime.profiling import device_name
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: configs/, bench/
 # What each method adds to the shared config: its estimator and the judge it reads (the oracle on the toy world).
-# ProCeedRL runs without DAPO's dynamic sampling here, so every method sees the same prompts per step.
+# ProCeedRL runs without DAPO's dynamic sampling here, so every method sees the same prompts per step. PPO and PiCA
+# whiten their GAE advantages over the batch, as veRL (Search-R1's and PiCA's trainer) always does; GiGPO matches
+# similar anchor states at verl-agent's search-recipe threshold (configs/gigpo.yaml).
 METHODS = {
     "grpo": ["credit.estimator=grpo"],
-    "ppo": ["credit.estimator=ppo"],
+    "ppo": ["credit.estimator=ppo", "credit.whiten_advantages=true"],
     "criticsearch": ["credit.estimator=criticsearch", "judges.backend=oracle"],
     "cwgrpo": ["credit.estimator=cwgrpo", "judges.backend=oracle"],
     "proceed": ["credit.estimator=proceed", "rollout.proceed.enabled=true", "judges.backend=oracle"],
-    "pica": ["credit.estimator=pica", "judges.prm=oracle"],
+    "pica": ["credit.estimator=pica", "judges.prm=oracle", "credit.whiten_advantages=true"],
+    "gigpo": ["credit.estimator=gigpo", "credit.gigpo.match=similar", "credit.gigpo.threshold=0.9"],
 }
 JUDGED = ("criticsearch", "cwgrpo", "proceed", "pica")
 QUICK_STEP_SHARE = 0.5  # --quick: this share of optim.total_steps, one seed
@@ -95,6 +101,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if not 0.0 <= args.noise <= 1.0:
         p.error(f"--noise must be in [0, 1], got {args.noise}")
     args.methods = methods
+    # the runs start in the checkout's folder: paths given relative to where the command was started are made whole
+    args.config, args.out = os.path.abspath(args.config), os.path.abspath(args.out)
+    if args.runs is not None:
+        args.runs = os.path.abspath(args.runs)
     if args.quick:
         args.seeds = 1
     return args, overrides
@@ -221,8 +231,10 @@ def run_all(args, overrides: list[str], cfg) -> Optional[str]:
               f"warmstart.seed={cfg.warmstart.seed_for(cfg.seed)}", f"warmstart.cache_dir={cache}",
               f"eval.seed={cfg.eval.seed_for(cfg.seed)}"]
     threads = run_threads(args.jobs)
-    todo = [(label, extra, cfg.seed + k) for label, extra in variants(args.methods, args.noise)
-            for k in range(args.seeds)]
+    # seed by seed, every method within a seed: a comparison stopped part-way (and resumed in another session) has
+    # whole seeds to pair
+    todo = [(label, extra, cfg.seed + k) for k in range(args.seeds)
+            for label, extra in variants(args.methods, args.noise)]
     pending, running, failed, ready = [], [], None, False
     for i, (label, extra, seed) in enumerate(todo, 1):
         folder = os.path.join(args.runs, label, f"seed{seed}")
@@ -296,7 +308,7 @@ def main(argv: Optional[list] = None) -> int:
         print(f"config error: {args.config}: the comparison uses the toy world's oracle judges; data.source must be "
               f"toy, got {cfg.data.source!r}", file=sys.stderr)
         return 2
-    args.runs = args.runs or os.path.join("runs", cfg.run_name + ("_quick" if args.quick else ""))
+    args.runs = args.runs or os.path.abspath(os.path.join("runs", cfg.run_name + ("_quick" if args.quick else "")))
     if not args.report_only:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `kill` stops the runs too (run_all's finally)
         try:

@@ -117,7 +117,8 @@ ALIASES: dict[str, tuple[Optional[str], str]] = {
     "critic.model.fsdp_config.optimizer_offload": ("distributed.cpu_offload", _OFFLOAD),
     # the algorithm
     "algorithm.adv_estimator": ("credit.estimator", "gae is ppo (or pica), grpo is grpo"),
-    "algorithm.gamma": ("credit.gamma", "GAE discount"),
+    "algorithm.gamma": ("credit.gamma", "GAE discount (ppo, pica); verl-agent's GiGPO reads it as the step "
+                                        "returns' discount: credit.gigpo.gamma"),
     "algorithm.lam": ("credit.lam", "GAE lambda"),
     "algorithm.kl_ctrl.kl_coef": (
         "credit.kl_in_reward", "beta of the per-token k1 KL in the reward; veRL applies it "
@@ -127,6 +128,15 @@ ALIASES: dict[str, tuple[Optional[str], str]] = {
     "algorithm.use_kl_in_reward": ("credit.kl_in_reward", "newer veRL's switch: false is credit.kl_in_reward = 0"),
     "algorithm.norm_adv_by_std_in_grpo": ("credit.norm_by_std", "false: Dr. GRPO"),
     "algorithm.no_think_rl": (None, "not implemented"),
+    # verl-agent's GiGPO (its run_search.sh)
+    "algorithm.gigpo.step_advantage_w": ("credit.gigpo.omega", "weight of the step advantage: A = A_episode + "
+                                                               "omega * A_step"),
+    "algorithm.gigpo.mode": ("credit.gigpo.step_norm", "mean_std_norm or mean_norm; verl-agent's one switch sets "
+                                                       "both levels: for the episode level set credit.norm_by_std "
+                                                       "(mean_norm is false)"),
+    "algorithm.gigpo.enable_similarity": ("credit.gigpo.match", "True is similar, False is exact"),
+    "algorithm.gigpo.similarity_thresh": ("credit.gigpo.threshold", "least similarity of two anchor states in "
+                                                                    "one step group"),
     "reward_model.structure_format_score": (
         "credit.lambda_f", "with credit.reward=criticsearch (1, 1 - lambda_f, lambda_f, 0: "
                            "Search-R1 v0.3's format reward)"),

@@ -29,6 +29,9 @@ def check_rules(cfg) -> None:
          f"optim.mini_batch_prompts={o.mini_batch_prompts}"),
         (len(o.betas) == 2, f"optim.betas must be two numbers in [0, 1), got {o.betas!r}"),
         (d.source == "toy" or d.train_path, f"data.train_path is required for data.source={d.source}"),
+        (d.source == "toy" or cfg.warmstart.detour_fraction == 0,
+         f"warmstart.detour_fraction={cfg.warmstart.detour_fraction} needs data.source=toy (detours search the toy "
+         f"world's twins and relations), got data.source={d.source}"),
         (m.policy != "tiny" or m.tiny_hidden % m.tiny_heads == 0,
          f"model.tiny_hidden={m.tiny_hidden} must be a multiple of model.tiny_heads={m.tiny_heads}"),
         (m.policy != "tiny" or m.tiny_heads % (m.tiny_kv_heads or m.tiny_heads) == 0,

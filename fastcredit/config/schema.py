@@ -225,6 +225,9 @@ class WarmStartConfig:
     lr: float = opt(3e-3, "warm-start learning rate (cosine decay)", range=POS)
     batch_size: int = opt(16, "trajectories per warm-start step", range=COUNT)
     questions: int = opt(0, "training questions used (0: all)", range=NONNEG, note="0: all")
+    detour_fraction: float = opt(0.0, "share of the oracle trajectories given one detour: a wrong search (a twin's "
+                                      "or another relation's sub-query, checked to miss), a think that names the "
+                                      "miss, then the right search (toy world; fastcredit.data.detours)", range=UNIT)
     seed: Optional[int] = opt(None, "seed of the warm start: the tiny policy's initialisation and the order of the "
                                     "supervised pass (null: the run seed); runs that differ only in their run seed "
                                     "share a warm start when this is set", range=SEED)

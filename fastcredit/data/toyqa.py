@@ -134,8 +134,8 @@ def fact_sentence(hop: dict) -> str:
     return RELATIONS[hop["relation"]].sentence.format(s=hop["subject"], o=hop["answer"])
 
 
-def oracle_actions(question: Union[QAExample, dict],
-                   rng: Optional[random.Random] = None) -> list[tuple[str, Optional[str]]]:
+def oracle_actions(question: Union[QAExample, dict], rng: Optional[random.Random] = None,
+                   detour: Optional[tuple[int, str]] = None) -> list[tuple[str, Optional[str]]]:
     """``(action text, query)`` per turn of the oracle trajectory: each gold hop's sub-query, then the answer.
 
     The answer turn's query is None. Each think first quotes the fact the last observation
@@ -146,13 +146,24 @@ def oracle_actions(question: Union[QAExample, dict],
     ``rng`` the think also restates the search 0 to 3 times, so turns vary in length.
     Tag contents are space-padded as in Search-R1's prompt (``<search> query </search>``),
     so an entity has the same tokens inside a tag as in the question and the passages.
+
+    ``detour=(hop index, wrong query)``: a detour demonstration (``fastcredit.data.detours``).
+    Before that hop's search the trajectory searches ``wrong query`` (a twin's or another
+    relation's sub-query, whose results lack the hop's fact), then says so and searches
+    again: ``<think> X founder is not X headquarters. I need to find X headquarters.</think>``.
     """
     hops = question_hops(question)
     golds = question.golden_answers if isinstance(question, QAExample) else question["golden_answers"]
+    if detour is not None and not 0 <= detour[0] < len(hops):
+        raise ValueError(f"detour at hop {detour[0]}: the question has {len(hops)} hop(s)")
     out, read = [], ""
-    for hop in hops:
+    for k, hop in enumerate(hops):
         query = hop["query"]
         again = " I search for it." * (rng.randint(0, 3) if rng is not None else 0)
+        if detour is not None and detour[0] == k:
+            wrong = detour[1]
+            out.append((f"<think>{read} I need to find {wrong}.{again}</think>\n<search> {wrong} </search>", wrong))
+            read, again = f" {wrong} is not {query}.", ""
         out.append((f"<think>{read} I need to find {query}.{again}</think>\n<search> {query} </search>", query))
         read = " " + fact_sentence(hop)
     out.append((f"<think>{read} The answer is {golds[0]}.</think>\n<answer> {golds[0]} </answer>", None))

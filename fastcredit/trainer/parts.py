@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+import random
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
@@ -138,6 +139,8 @@ def build_models(cfg: TrainConfig, info, lm, tokenizer, out_dir: str) -> tuple[A
 def warm_start(lm, cfg: TrainConfig, data: Data, tokenizer, searcher, info, say: Callable[[str], None]) -> None:
     """SFT of ``lm`` on oracle trajectories; observations come from the run's own searcher, as in rollouts. With
     ``warmstart.cache_dir`` a warm start of the same config is loaded instead of redone (``sft.cached_warm_start``)."""
+    from fastcredit.data.detours import choose_detours, planned_queries
+    from fastcredit.data.toyqa import oracle_actions
     from fastcredit.trainer.sft import cached_warm_start, sft_sequences, sft_train, warm_start_fingerprint
 
     w = cfg.warmstart
@@ -147,19 +150,35 @@ def warm_start(lm, cfg: TrainConfig, data: Data, tokenizer, searcher, info, say:
     def run() -> str:
         examples = [ex for ex in data.train if ex.metadata.get("hops")]
         examples = examples[: w.questions] if w.questions else examples
-        queries = sorted({h["query"] for ex in examples for h in ex.metadata["hops"]})
         t0 = time.time()
-        obs = dict(zip(queries, (o for o, _ in searcher(queries))))
-        seqs = sft_sequences(examples, prompt_ids(cfg, tokenizer, examples), tokenizer, obs.__getitem__, seed=seed)
+        plan = detour_plan(cfg, examples, seed)
+        queries = sorted({h["query"] for ex in examples for h in ex.metadata["hops"]} | set(planned_queries(plan)))
+        found = dict(zip(queries, searcher(queries)))
+        detours = choose_detours(plan, examples, {q: ids for q, (_, ids) in found.items()})
+        seqs = sft_sequences(examples, prompt_ids(cfg, tokenizer, examples), tokenizer, lambda q: found[q][0],
+                             seed=seed, actions=lambda ex, rng: oracle_actions(ex, rng, detour=detours.get(ex.id)))
         bar = cfg.logging.progress and info.is_main
         losses = sft_train(lm, seqs, pad_id, w.epochs, w.lr, w.batch_size, seed, str(info.device),
                            progress=bar, on_epoch=None if bar else lambda k, loss: say(
                                f"warm start: epoch {k}/{w.epochs}, loss {loss:.3f} ({time.time() - t0:.0f} s)"))
-        return (f"warm start: {len(seqs)} oracle trajectories x {w.epochs} epochs in {time.time() - t0:.0f} s, "
+        made = f" ({len(detours)} with a detour)" if w.detour_fraction else ""
+        return (f"warm start: {len(seqs)} oracle trajectories{made} x {w.epochs} epochs in {time.time() - t0:.0f} s, "
                 f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 
     cached_warm_start(lm, w.cache_dir, warm_start_fingerprint(cfg), run, say)
     lm.requires_grad_(True).train()
+
+
+def detour_plan(cfg: TrainConfig, examples: list, seed: int) -> dict:
+    """The warm start's planned detours (``fastcredit.data.detours.plan_detours``, ``warmstart.detour_fraction`` of
+    the examples; the world's entities read from ``data.world_dir``); empty at fraction 0."""
+    if not cfg.warmstart.detour_fraction:
+        return {}
+    from fastcredit.data.detours import plan_detours
+    from fastcredit.data.toyworld import load_world
+
+    entities = load_world(cfg.data.world_dir).entities
+    return plan_detours(examples, entities, cfg.warmstart.detour_fraction, random.Random(f"detours-{seed}"))
 
 
 def make_rollout_engine(cfg: TrainConfig, info, tokenizer, start: EngineStart, train_state: list,

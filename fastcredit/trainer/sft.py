@@ -136,6 +136,8 @@ def warm_start_fingerprint(cfg) -> str:
     d = to_dict(cfg)
     part = {k: d[k] for k in WARM_START_KEYS}
     part["warmstart"] = {k: v for k, v in part["warmstart"].items() if k not in ("cache_dir", "seed")}
+    if not part["warmstart"]["detour_fraction"]:  # added later: warm starts cached without detours still load
+        del part["warmstart"]["detour_fraction"]
     part["data"] = {k: v for k, v in part["data"].items() if k != "world_dir"}
     part["rollout"] = {k: d["rollout"][k] for k in WARM_START_ROLLOUT_KEYS}
     part["seed"] = cfg.warmstart.seed_for(cfg.seed)

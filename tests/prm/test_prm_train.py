@@ -6,11 +6,12 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from tests import forkserver
 
 from fastcredit.config import load_config
 from fastcredit.config.ranges import field_ranges, numeric_keys
@@ -231,7 +232,7 @@ def train(data, out, *extra, entry=("-m", "fastcredit.prm.train"), env=None, che
            "--config", os.path.join(ROOT, "configs", "prm.yaml"),
            f"data.train_path={data[0]}", f"data.test_path={data[1]}", f"logging.output_dir={out}",
            "optim.micro_batch_tokens=1024", "logging.checkpoint_every=10", "logging.progress=false", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -361,7 +362,7 @@ def test_pica_trains_with_the_learned_prm(trained, tmp_path):
            f"logging.output_dir={out}", f"data.world_dir={tmp_path}/world", "data.toy.num_people=80",
            "data.toy.num_companies=20", "data.toy.num_questions=60", "eval.questions=0", "credit.estimator=pica",
            f"judges.prm={os.path.join(trained[0], 'export')}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "reward" in r]

@@ -103,6 +103,8 @@ def test_cached_warm_start_is_made_once_and_keyed_by_its_own_seed(tmp_path):
     assert base == key("warmstart.cache_dir=/x", "credit.estimator=ppo", "data.world_dir=/w",
                        "rollout.proceed.enabled=true", "rollout.n_samples=3", "rollout.temperature=0.5")
     assert base != key("warmstart.epochs=9") and base != key("rollout.max_obs_tokens=7")
+    # detours change the demonstrations; at 0 (the default) the key is the one made before detours existed
+    assert base == key("warmstart.detour_fraction=0") != key("warmstart.detour_fraction=0.3")
     said, runs = [], []
     made = torch.nn.Linear(3, 2)
 

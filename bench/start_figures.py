@@ -1,0 +1,144 @@
+"""What a comparison preset's warm-started policy does at the start of training, before any RL step.
+
+    python bench/start_figures.py --config configs/compare_starved.yaml          # 128 prompts x 4 samples
+    python bench/start_figures.py --config configs/compare_detour.yaml --prompts 128
+
+Loads (or makes) the warm start ``python -m fastcredit.compare`` shares between its runs of that
+config (``runs/<run_name>/warmstart``, the config's seed), then samples trajectories as a training
+step does (``rollout.n_samples`` per prompt, temperature as configured) over training prompts drawn
+with the config's seed, and scores greedy rollouts of the held-out questions (``eval.questions``).
+Every search turn is labelled against the question's gold hops (``fastcredit.data.toyqa.new_hop_turns``:
+good = it found a hop no earlier turn had found, else wasted). Reported: sampled and greedy EM, the
+share of all-fail (and all-success) groups, the share of successes that contain a wasted search,
+of failures that contain a good search, and *repairs*: a wasted search followed later in the same
+trajectory by a good one (share of trajectories, and of successes). Written to
+``<out>/start_<run_name>_<device>.{json,md}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def trajectory_figures(labels: list[list[bool]], success: list[bool], group: list[int]) -> dict:
+    """The start figures of trajectories given, per trajectory, the good (True) / wasted (False) label of each
+    search turn in order, whether it succeeded, and its group id."""
+    n = len(labels)
+    wasted = [not all(t) for t in labels]
+    good = [any(t) for t in labels]
+    repaired = [any(not a and any(t[k + 1:]) for k, a in enumerate(t)) for t in labels]
+    groups: dict = {}
+    for g, s in zip(group, success):
+        groups.setdefault(g, []).append(s)
+    wins = [k for k in range(n) if success[k]]
+    losses = [k for k in range(n) if not success[k]]
+
+    def share(keys, flag) -> Optional[float]:  # None: no such trajectory
+        keys = list(keys)
+        return sum(flag[k] for k in keys) / len(keys) if keys else None
+
+    return {
+        "trajectories": n, "groups": len(groups),
+        "sampled_em": sum(success) / max(n, 1),
+        "all_fail_groups": sum(not any(v) for v in groups.values()) / max(len(groups), 1),
+        "all_success_groups": sum(all(v) for v in groups.values()) / max(len(groups), 1),
+        "searches_per_trajectory": sum(len(t) for t in labels) / max(n, 1),
+        "wasted_search_share": sum(t.count(False) for t in labels) / max(sum(len(t) for t in labels), 1),
+        "successes_with_wasted_search": share(wins, wasted),
+        "failures_with_good_search": share(losses, good),
+        "trajectories_with_repair": share(range(n), repaired),
+        "successes_with_repair": share(wins, repaired),
+        "repairs": sum(repaired),
+    }
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", required=True, help="a comparison preset (configs/compare*.yaml)")
+    p.add_argument("--prompts", type=int, default=128, help="training prompts sampled (each rollout.n_samples times)")
+    p.add_argument("--runs", default=None, help="the comparison's runs folder (default runs/<run_name>): its warm "
+                                                "start is loaded from <runs>/warmstart")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="where the results go")
+    args, overrides = p.parse_known_args(argv)
+    bad = [o for o in overrides if "=" not in o or o.startswith("-")]
+    if bad:
+        p.error(f"unknown argument(s): {' '.join(bad)} (config overrides are key=value)")
+    if args.prompts < 1:
+        p.error(f"--prompts must be at least 1, got {args.prompts}")
+    return args, overrides
+
+
+def main(argv=None) -> int:
+    from bench.results_io import device_name, write_results
+    from fastcredit.config import ConfigError, load_config
+    from fastcredit.data.toyqa import new_hop_turns
+    from fastcredit.distributed.process_group import init_distributed
+    from fastcredit.rollout.agent import searcher_session
+    from fastcredit.trainer.loop import Trainer
+    from fastcredit.trainer.sampling import outcome_rewards, rollout
+
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        base = load_config(args.config, overrides)
+        runs = args.runs or os.path.join(ROOT, "runs", base.run_name)
+        cfg = load_config(args.config, [*overrides, f"warmstart.seed={base.warmstart.seed_for(base.seed)}",
+                                        f"warmstart.cache_dir={os.path.join(runs, 'warmstart')}",
+                                        f"logging.output_dir={os.path.join(runs, 'start_figures')}",
+                                        "logging.progress=false", "logging.tensorboard=false"])
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    if cfg.data.source != "toy":
+        print(f"config error: {args.config}: the start figures need the toy world's gold hops", file=sys.stderr)
+        return 2
+    info = init_distributed()
+    trainer = Trainer(cfg, info)
+    t0 = time.time()
+    heldout = trainer.evaluate()
+    print(f"greedy held-out EM {heldout.get('eval/em', float('nan')):.3f} "
+          f"({cfg.eval.questions} questions, {time.time() - t0:.0f} s)", flush=True)
+    train = trainer.parts.data.train
+    idx = random.Random(cfg.seed).sample(range(len(train)), min(args.prompts, len(train)))
+    t0 = time.time()
+    with searcher_session(trainer.parts.searcher):
+        result, examples = rollout(trainer.parts, cfg, idx, train, group_size=cfg.rollout.n_samples,
+                                   seed_base=cfg.seed * 1_000_003)
+    reward, _ = outcome_rewards(cfg, result, examples)
+    print(f"sampled {len(examples)} trajectories in {time.time() - t0:.0f} s", flush=True)
+    labels = []
+    for episode, ex in zip(result.episodes, examples):
+        good = new_hop_turns(ex, [s.retrieved_ids for s in episode.steps])
+        labels.append([g for g, s in zip(good, episode.steps) if s.kind.name.lower() == "search"])
+    figures = trajectory_figures(labels, [bool(e) for e in result.batch.em_B.tolist()],
+                                 result.batch.group_id_B.tolist())
+    figures["greedy_heldout_em"] = heldout.get("eval/em")
+    figures["heldout_questions"] = min(cfg.eval.questions, len(trainer.parts.data.test))
+    trainer.logger.close()
+    device = device_name()
+    doc = {"config": os.path.relpath(os.path.abspath(args.config), ROOT), "overrides": overrides,
+           "prompts": len(idx), "n_samples": cfg.rollout.n_samples, "max_turns": cfg.rollout.max_turns,
+           "warmstart": {"epochs": cfg.warmstart.epochs, "detour_fraction": cfg.warmstart.detour_fraction},
+           "device": device, "figures": figures}
+    stem = write_results(f"start_{cfg.run_name}", doc, args.out)[:-len(".json")]
+    with open(stem + ".md", "w", encoding="utf-8") as fh:
+        fh.write(f"# Start figures: {doc['config']} ({len(idx)} prompts x {cfg.rollout.n_samples} samples, "
+                 f"{device})\n\n| figure | value |\n|---|---:|\n")
+        fh.writelines(f"| {k} | {v:.3f} |\n" if isinstance(v, float) else f"| {k} | {v} |\n"
+                      for k, v in figures.items())
+    print(json.dumps(figures, indent=1))
+    print(f"wrote {stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # the one-process group's threads may race the interpreter's exit
