@@ -184,8 +184,11 @@ def _report(trainer, summary: dict) -> None:
         print(f"held-out EM: {'n/a' if before is None else f'{before:.3f}'} before -> {after:.3f} after "
               f"{trainer.step} steps")
     if trainer.logger.path and os.path.exists(trainer.logger.path):
-        png = plot_metrics(trainer.logger.path, os.path.join(trainer.out_dir, "curves.png"), title=trainer.cfg.run_name)
-        print(f"metrics: {trainer.logger.path}\ncurves:  {png}")
+        print(f"metrics: {trainer.logger.path}")
+        if trainer.cfg.logging.curves:
+            png = plot_metrics(trainer.logger.path, os.path.join(trainer.out_dir, "curves.png"),
+                               title=trainer.cfg.run_name)
+            print(f"curves:  {png}")
 
 
 if __name__ == "__main__":

@@ -211,6 +211,7 @@ class LoggingConfig:
     tensorboard: bool = opt(False, "write TensorBoard events")
     wandb: bool = opt(False, "log to Weights & Biases (offline unless configured)")
     progress: bool = opt(True, "progress bars")
+    curves: bool = opt(True, "draw curves.png (a panel per group of metrics) from metrics.jsonl when the run ends")
     nvtx: bool = opt(True, "NVTX ranges around phases (no-op without a GPU)")
     checkpoint_every: int = opt(50, "steps between checkpoints (0: only at the end)",
                                 range=NONNEG, note="0: only at the end")
