@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import traceback
 from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,7 +64,6 @@ def _read_line(conn: socket.socket) -> bytes:
 def _child(req: dict) -> None:
     """In the forked child: become the requested ``python -m`` process; never returns."""
     import runpy
-    import traceback
 
     code = 1
     try:
@@ -74,6 +74,7 @@ def _child(req: dict) -> None:
         os.environ.update(req["env"])
         fd = os.open(os.devnull, os.O_RDONLY)
         os.dup2(fd, 0)
+        os.close(fd)
         for target, path in ((1, req["stdout"]), (2, req["stderr"])):
             out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(out, target)
@@ -100,6 +101,10 @@ def _child(req: dict) -> None:
         traceback.print_exc()
         code = 1
     finally:
+        try:
+            atexit._run_exitfuncs()  # what the interpreter would run at its exit (the command's own included)
+        except BaseException:  # noqa: BLE001 - as at a real exit: reported, the status stands
+            traceback.print_exc()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
