@@ -79,6 +79,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     from bench.results_io import device_name, write_results
     from fastcredit.config import ConfigError, load_config
+    from fastcredit.credit.types import TurnKind
     from fastcredit.data.toyqa import new_hop_turns
     from fastcredit.distributed.process_group import init_distributed
     from fastcredit.rollout.agent import searcher_session
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
     labels = []
     for episode, ex in zip(result.episodes, examples):
         good = new_hop_turns(ex, [s.retrieved_ids for s in episode.steps])
-        labels.append([g for g, s in zip(good, episode.steps) if s.kind.name.lower() == "search"])
+        labels.append([g for g, s in zip(good, episode.steps) if s.kind == TurnKind.SEARCH])
     figures = trajectory_figures(labels, [bool(e) for e in result.batch.em_B.tolist()],
                                  result.batch.group_id_B.tolist())
     figures["greedy_heldout_em"] = heldout.get("eval/em")
