@@ -215,6 +215,14 @@ def check_targets(rows: list, cuda: bool) -> list:
 
 TRAIN_OVERRIDES = ["optim.total_steps=3", "eval.questions=0", "logging.checkpoint_every=0",
                    "data.toy.num_questions=200"]
+# On a CPU a world of a tenth the passages: embedding the default world's corpus with MiniLM is most of the stage's
+# time there (about 40 s of a minute), and the suite runs this stage on every CI run.
+CPU_WORLD = ["data.toy.num_people=80", "data.toy.num_companies=20", "data.toy.num_questions=60"]
+
+
+def train_overrides(cuda: bool) -> list:
+    """The trainer runs' overrides (the world's size, three steps, no evaluation or checkpoints)."""
+    return TRAIN_OVERRIDES if cuda else [*TRAIN_OVERRIDES, *CPU_WORLD]
 
 
 def random_policy(work: str, cuda: bool, name: str = "policy", seed: int = 0) -> str:
@@ -229,7 +237,8 @@ def random_policy(work: str, cuda: bool, name: str = "policy", seed: int = 0) ->
     from fastcredit.config import load_config
     from fastcredit.models.tiny import build_tiny_policy, save_tiny_policy
 
-    cfg = load_config(os.path.join(ROOT, "configs", "debug.yaml"), [f"data.world_dir={work}/world", *TRAIN_OVERRIDES])
+    cfg = load_config(os.path.join(ROOT, "configs", "debug.yaml"),
+                      [f"data.world_dir={work}/world", *train_overrides(cuda)])
     tokenizer = components.load_tokenizer(cfg, components.load_data(cfg), work)
     size = dict(hidden=1280, layers=28, heads=20) if cuda else dict(hidden=64, layers=2, heads=2)
     lm = build_tiny_policy(tokenizer, seed=seed, **size)
@@ -263,7 +272,7 @@ def stage_train(out: str) -> None:
             run = os.path.join(work, f"train_{key}")
             cmd = [sys.executable, "-m", "fastcredit.train", "--config", os.path.join(ROOT, "configs", "debug.yaml"),
                    f"logging.output_dir={run}", f"data.world_dir={work}/world", f"model.policy={policy}",
-                   "model.dtype=bfloat16", f"rollout.engine={engine}", *TRAIN_OVERRIDES, *extra]
+                   "model.dtype=bfloat16", f"rollout.engine={engine}", *train_overrides(cuda), *extra]
             t0 = time.time()
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
             with open(os.path.join(out, f"train_{key}.log"), "w") as f:

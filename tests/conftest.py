@@ -28,6 +28,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
+from tests import background  # noqa: E402
+
 settings.register_profile("ci", deadline=None, print_blob=True)
 settings.load_profile("ci")
 
@@ -37,19 +39,48 @@ settings.load_profile("ci")
 # while the other worker sits idle (tests/test_train.py alone is ~7 minutes). Order only: a file missing here runs
 # in its usual place.
 LONGEST_FIRST = ("tests/test_train.py", "tests/test_compare.py", "tests/prm/test_prm_train.py", "tests/test_export.py",
-                 "tests/test_gpu_check.py", "tests/distributed/test_fsdp_update.py", "tests/test_install.py",
-                 "tests/distributed/test_deepspeed_update.py", "tests/test_bench_step.py", "tests/test_eval.py",
-                 "tests/models/test_smollm2.py", "tests/retrieval/test_server_soak.py")
+                 "tests/test_gpu_check.py", "tests/test_eval.py", "tests/distributed/test_deepspeed_update.py",
+                 "tests/distributed/test_fsdp_update.py", "tests/retrieval/test_server_soak.py",
+                 "tests/models/test_smollm2.py", "tests/test_bench_step.py", "tests/retrieval/test_cross_rank.py")
+
+
+# Files that wait on a background job (tests/background.py) go last: by then the job is done and the wait is none.
+LAST = ("tests/test_install.py",)
 
 
 def _longest_first(items) -> None:
     rank = {path: k for k, path in enumerate(LONGEST_FIRST)}
+    rank.update({path: len(LONGEST_FIRST) + 1 + k for k, path in enumerate(LAST)})
 
     def key(item):
         path = os.path.relpath(str(item.path), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        return rank.get(path, len(rank))
+        return rank.get(path, len(LONGEST_FIRST))
 
     items.sort(key=key)  # stable: every file keeps its own order, the others their collection order
+
+
+def pytest_configure(config):
+    background.configure(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist's controller tells each worker where the background jobs (tests/background.py) write."""
+    node.workerinput[background.KEY] = background.folder(node.config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    background.start_for(node.config, ids)
+
+
+def pytest_collection_finish(session):
+    if not hasattr(session.config, "workerinput"):  # pytest without workers: it collects and runs the tests itself
+        background.start_for(session.config, [item.nodeid for item in session.items])
+
+
+def pytest_unconfigure(config):
+    background.finish(config)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -53,7 +53,8 @@ def test_bench_step_runs_both_designs_and_writes_its_results(tmp_path):
     out = tmp_path / "results"
     cmd = [sys.executable, "bench/bench_step.py", "--steps", "1", "--warmup", "0", "--work", str(tmp_path / "w"),
            "--out", str(out), "optim.batch_prompts=2", "rollout.n_samples=2", "optim.mini_batch_prompts=2",
-           "data.toy.num_questions=40", "model.tiny_vocab_rows=3000"]
+           "data.toy.num_questions=40", "data.toy.num_people=80",
+           "data.toy.num_companies=20", "model.tiny_vocab_rows=3000"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/bench"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
