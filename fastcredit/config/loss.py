@@ -23,6 +23,11 @@ class LossConfig:
         "token-mean", "how token losses are averaged over the global batch")
     value_clip: float = opt(0.2, "clip range of the value loss (ppo, pica)", range=POS)
     vf_coef: float = opt(0.5, "value-loss weight", range=NONNEG)
+    behaviour_weight_cap: float = opt(
+        5.0, "decoupled PPO: bound C of the importance weight pi_prox / pi_behav on tokens of turns an older policy "
+             "generated (fastcredit.trainer.offpolicy)", range="(1, inf)")
+    behaviour_weight_mode: Literal["truncate", "mask"] = opt(
+        "truncate", "how C bounds it: truncate min(w, C); mask drops tokens with w > C (AReaL's behav_imp_weight_cap)")
     impl: Literal["auto", "triton", "torch"] = opt(
         "auto", "fused ops (turn-surrogate loss, linear log-prob): Triton kernels on CUDA tensors, torch elsewhere; "
                 "$FASTCREDIT_LOSS_IMPL overrides")

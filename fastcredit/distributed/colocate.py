@@ -75,6 +75,7 @@ class PhaseManager:
         self.train_on_device = train_on_device
         self.history: list[tuple[str, dict]] = []  # (boundary, memory) for logs and tests
         self.stale_weights = False  # the policy engine holds no weights (level 2), old ones, or the critic's
+        self.version = 0  # the policy's version (updates done); the engine's weights_version after each sync
         self.timings: dict = {}
 
     def _record(self, boundary: str) -> None:
@@ -123,9 +124,12 @@ class PhaseManager:
                     torch.cuda.empty_cache()
         self.train_on_device = on_device
 
-    def mark_updated(self) -> None:
-        """The policy changed (an optimizer step, a resume): the engine's weights are stale until synced."""
+    def mark_updated(self, version: Optional[int] = None) -> None:
+        """The policy changed (an optimizer step, a resume): the engine's weights are stale until synced.
+        ``version``: the policy's version now (updates done; None keeps it), stamped on the engine at the sync."""
         self.stale_weights = True
+        if version is not None:
+            self.version = version
 
     @contextlib.contextmanager
     def rollout(self, weights: Optional[object] = None) -> Iterator[None]:
@@ -143,6 +147,7 @@ class PhaseManager:
                 self._wake(self.policy, ["weights"])
             with self._timed("sync_weights"):
                 self.sync_fn(weights)
+            self.policy.weights_version = self.version
             self.stale_weights = False
             self._train_state_to("cpu")
             if not self.awake["policy"]:

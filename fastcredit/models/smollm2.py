@@ -54,12 +54,20 @@ def load_smollm2_gguf():
 
 def prepare_smollm2(out: str) -> str:
     """The de-quantised SmolLM2-135M-Instruct as an HF folder at ``out`` (made once, reused while the packaged
-    GGUF is unchanged); returns ``out``."""
+    GGUF's bytes and the transformers that de-quantises it are unchanged: a fresh virtual environment with the same
+    wheel reuses it); returns ``out``."""
+    import hashlib
+
+    import transformers
+
     from fastcredit.runtime.files import built_from, mark_built
 
     folder, gguf = smollm2_files()
-    st = os.stat(os.path.join(folder, gguf))
-    key = {"gguf": gguf, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "dtype": "float32"}
+    digest = hashlib.sha256()
+    with open(os.path.join(folder, gguf), "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    key = {"gguf": gguf, "sha256": digest.hexdigest(), "dtype": "float32", "transformers": transformers.__version__}
     if built_from(out, key):
         return out
     lm, tok = load_smollm2_gguf()

@@ -169,25 +169,25 @@ class Episode:
         if kind != TurnKind.ANSWER and (out_of_length or last_turn):
             kind = step.kind = TurnKind.TRUNCATED
         if kind in (TurnKind.ANSWER, TurnKind.TRUNCATED):
-            self._finish_turn(ids, lps, step, [])
+            self._finish_turn(ids, lps, step, [], out.version)
             self.done = True
             return None
-        self._pending = (ids, lps, step)
+        self._pending = (ids, lps, step, out.version)
         return query if kind == TurnKind.SEARCH else ""
 
     def on_observation(self, obs_ids: Sequence[int], retrieved_ids: Sequence[str] = ()) -> None:
         """Append the observation of the pending action (capped by ``max_obs_tokens``)."""
-        ids, lps, step = self._pending
+        ids, lps, step, version = self._pending
         self._pending = None
         obs = list(obs_ids)[: self.limits.max_obs_tokens]
         if self.response_len + len(ids) + len(obs) + 1 > self.limits.max_response_tokens:
             step.kind = TurnKind.TRUNCATED  # no room left for another action token
-            self._finish_turn(ids, lps, step, [])
+            self._finish_turn(ids, lps, step, [], version)
             self.done = True
             return
         step.obs_text = self.tokenizer.decode(obs, skip_special_tokens=False)
         step.retrieved_ids = list(retrieved_ids)
-        self._finish_turn(ids, lps, step, obs)
+        self._finish_turn(ids, lps, step, obs, version)
 
     def replace_last_step(self, out: GenOutput, refined_from: str) -> Optional[str]:
         """ProCeed: drop the last finished turn and take ``out`` (refined tokens, ``demo = 1``) in its place."""
@@ -199,15 +199,17 @@ class Episode:
         self.response_len -= n
         self.done = False
         self._demo_next = True
+        if out.version is None:  # a critic's refinement: it belongs to the rollout of the turn it replaces
+            out = replace(out, version=last.version)
         query = self.on_action(out)
         step = self.steps[-1] if self.done else self._pending[2]
         step.refined_from = refined_from
         return query
 
-    def _finish_turn(self, ids, lps, step: StepInfo, obs: list[int]) -> None:
+    def _finish_turn(self, ids, lps, step: StepInfo, obs: list[int], version: Optional[int]) -> None:
         demo = [1] * len(ids) if self._demo_next else None
         self._demo_next = False
-        self.turns.append(Turn(ids, step.kind, obs, demo=demo))
+        self.turns.append(Turn(ids, step.kind, obs, demo=demo, version=version))
         self.steps.append(step)
         self.context += ids + obs
         self.logprobs += lps + [0.0] * len(obs)

@@ -40,6 +40,8 @@ class Turn:
     obs_ids: Sequence[int] = ()
     # Per action token: 1 where the token is a refined (demonstration) token (ProCeedRL).
     demo: Optional[Sequence[int]] = None
+    # The policy version (updates done) whose weights generated the action; None where the engine reports none.
+    version: Optional[int] = None
 
 
 @dataclass
@@ -68,6 +70,8 @@ class TrajectoryBatch:
     predictions: list = field(default_factory=list)  # [B] extracted answer or None
     # Optional per-token sampling log-probs reported by the rollout engine.
     rollout_logp_N: Optional[torch.Tensor] = None
+    # Optional int64 [S]: the policy version that generated each turn (fastcredit.trainer.offpolicy reads its lag).
+    seg_version_S: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -151,6 +155,8 @@ class TrajectoryBatch:
             raise TrajectoryError(f"predictions must have {B} entries, got {len(self.predictions)}")
         if self.rollout_logp_N is not None and self.rollout_logp_N.shape != (N,):
             raise TrajectoryError(f"rollout_logp_N must have shape [{N}], got {list(self.rollout_logp_N.shape)}")
+        if self.seg_version_S is not None and self.seg_version_S.shape != (S,):
+            raise TrajectoryError(f"seg_version_S must have shape [{S}], got {list(self.seg_version_S.shape)}")
         if S == 0:
             if B > 0:
                 raise TrajectoryError("every trajectory needs at least one turn; trajectory 0 has none")
@@ -275,7 +281,7 @@ def from_turns(
     predictions=None,
 ) -> TrajectoryBatch:
     """Pack a list of trajectories (each a list of :class:`Turn`) into a batch."""
-    tokens, starts, alen, olen, traj, kinds, demo, obs_keys = [], [], [], [], [], [], [], []
+    tokens, starts, alen, olen, traj, kinds, demo, obs_keys, versions = [], [], [], [], [], [], [], [], []
     cu, pos = [0], 0
     for b, turns in enumerate(trajectories):
         for t, turn in enumerate(turns):
@@ -291,6 +297,7 @@ def from_turns(
             traj.append(b)
             kinds.append(int(TurnKind.parse(turn.kind)))
             obs_keys.append(observation_key(o))
+            versions.append(turn.version)
             tokens += a + o
             demo += d + [0] * len(o)
             pos += len(a) + len(o)
@@ -310,14 +317,26 @@ def from_turns(
         seg_id_N=_seg_id_from_segments(start_S, alen_S, olen_S).to(torch.int32),
         demo_mask_N=torch.tensor(demo, dtype=torch.bool),
         seg_obs_key_S=torch.tensor(obs_keys, dtype=torch.int64),
+        seg_version_S=_versions(versions),
         **_outcome_tensors(B, group_id, em, f1, format_ok, predictions),
     )
+
+
+def _versions(versions: list) -> Optional[torch.Tensor]:
+    """Every turn's policy version, or None when no turn has one; some but not all is an error."""
+    missing = [i for i, v in enumerate(versions) if v is None]
+    if len(missing) == len(versions):
+        return None
+    if missing:
+        raise TrajectoryError(f"turn {missing[0]} (packed order) has no policy version while others have one")
+    return torch.tensor(versions, dtype=torch.int64)
 
 
 def to_turns(batch: TrajectoryBatch) -> list[list[Turn]]:
     """Inverse of :func:`from_turns` (Python lists; for tests, debugging and logging)."""
     tok = batch.tokens_N.tolist()
     demo = batch.demo_mask_N.tolist()
+    versions = None if batch.seg_version_S is None else batch.seg_version_S.tolist()
     out: list[list[Turn]] = [[] for _ in range(batch.num_trajectories)]
     for s in range(batch.num_turns):
         st, a, o = int(batch.seg_start_S[s]), int(batch.seg_action_len_S[s]), int(batch.seg_obs_len_S[s])
@@ -327,6 +346,7 @@ def to_turns(batch: TrajectoryBatch) -> list[list[Turn]]:
                 kind=TurnKind(int(batch.seg_kind_S[s])),
                 obs_ids=tok[st + a : st + a + o],
                 demo=[int(x) for x in demo[st : st + a]],
+                version=None if versions is None else versions[s],
             )
         )
     return out
@@ -371,6 +391,7 @@ def select(batch: TrajectoryBatch, index_K: torch.Tensor) -> TrajectoryBatch:
         seg_obs_key_S=batch.seg_obs_key_S[seg_K],
         predictions=[batch.predictions[int(i)] for i in index_K],
         rollout_logp_N=None if batch.rollout_logp_N is None else batch.rollout_logp_N[tok_K],
+        seg_version_S=None if batch.seg_version_S is None else batch.seg_version_S[seg_K],
     )
 
 
@@ -386,6 +407,7 @@ def concat(batches: Sequence[TrajectoryBatch]) -> TrajectoryBatch:
         b.cu_seqlens[1:].long() + tok_off[i] for i, b in enumerate(batches)
     ])
     logps = [b.rollout_logp_N for b in batches]
+    versions = [b.seg_version_S for b in batches]
     return TrajectoryBatch(
         tokens_N=cat("tokens_N"),
         cu_seqlens=cu.to(batches[0].cu_seqlens.dtype),
@@ -406,6 +428,7 @@ def concat(batches: Sequence[TrajectoryBatch]) -> TrajectoryBatch:
         seg_obs_key_S=cat("seg_obs_key_S"),
         predictions=[p for b in batches for p in b.predictions],
         rollout_logp_N=None if any(lp is None for lp in logps) else torch.cat(logps),
+        seg_version_S=None if any(v is None for v in versions) else torch.cat(versions),
     )
 
 

@@ -158,7 +158,7 @@ class Trainer:
         self.step, self.lr.opt_steps = state["step"], state["opt_steps"]
         self.rollbacks = state.get("rollbacks", 0)
         self.sampler = PromptSampler(len(self.parts.data.train), self.cfg.seed, **state["data"])
-        self.parts.phases.mark_updated()  # the engine still holds the pre-checkpoint weights
+        self.parts.phases.mark_updated(self.step)  # the engine still holds the pre-checkpoint weights
         self.logger.truncate_after(self.step)
         self.say(f"resumed from {path} (step {self.step})")
         return path

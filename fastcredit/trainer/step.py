@@ -21,6 +21,7 @@ from fastcredit.config import TrainConfig
 from fastcredit.distributed.process_group import DistInfo, all_reduce_sum, max_over_ranks, mean_over_ranks
 from fastcredit.runtime.profiling import PhaseTimer, nvtx_range
 from fastcredit.trainer.credit_labels import credit_accuracy
+from fastcredit.trainer.offpolicy import behaviour_correction
 from fastcredit.trainer.parts import Parts
 from fastcredit.trainer.sampling import sample_batch
 from fastcredit.trainer.schedule import LRSchedule
@@ -38,13 +39,18 @@ def train_step(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer
             extras, jm = parts.judges.score(result, examples, reward) if parts.judges is not None else ({}, {})
         metrics.update(jm)
         old, ref, values = score_tokens(parts, cfg, info, timer, result.prompt_ids, result.batch)
+        # colocated: every turn came from this step's policy (version = steps done), so the bound is 0
+        behaviour_N, om = behaviour_correction(result.batch, old, step, 0, cfg.loss.behaviour_weight_cap,
+                                               cfg.loss.behaviour_weight_mode)
+        metrics.update(om)
         with timer.phase("advantage"):
             credit = advantages(cfg, info, result.batch, reward, old, ref, values, extras)
         metrics.update({f"credit/{k}": v for k, v in credit.metrics.items()})
         metrics.update(credit_accuracy(result.batch, reward, result.episodes, examples, extras, credit))
         with timer.phase("update"), parts.phases.train():
-            metrics.update(update(parts, cfg, info, lr, result.prompt_ids, result.batch, credit, old, ref, values))
-        parts.phases.mark_updated()
+            metrics.update(update(parts, cfg, info, lr, result.prompt_ids, result.batch, credit, old, ref, values,
+                                  behaviour_N))
+        parts.phases.mark_updated(step + 1)  # the policy's version: updates done
         tokens = float(result.batch.num_tokens + sum(len(p) for p in result.prompt_ids))
         return step_metrics(parts, info, timer, metrics, tokens, t0)
 
@@ -88,13 +94,13 @@ def advantages(cfg: TrainConfig, info: DistInfo, batch, reward_B: torch.Tensor, 
 
 
 def update(parts: Parts, cfg: TrainConfig, info: DistInfo, lr: LRSchedule, prompts, batch, credit, old_logp_N,
-           ref_logp_N, values_N) -> dict:
+           ref_logp_N, values_N, behaviour_weight_N=None) -> dict:
     """The PPO update of the policy (and value model) on the batch (``fastcredit.trainer.update.ppo_update``);
-    its metrics, summed over ranks."""
+    its metrics, summed over ranks. ``behaviour_weight_N``: the decoupled correction's weights (None: none)."""
     from fastcredit.trainer.update import UpdateData, ppo_update
 
     per_mini = max(cfg.optim.mini_batch_prompts // info.world_size, 1)
-    data = UpdateData(prompts, batch, credit, old_logp_N, ref_logp_N, values_N)
+    data = UpdateData(prompts, batch, credit, old_logp_N, ref_logp_N, values_N, behaviour_weight_N)
     return ppo_update(parts.policy, data, cfg.loss, cfg.optim, info.device, temperature=cfg.rollout.temperature,
                       dp_size=info.world_size, reduce=lambda t: all_reduce_sum(t, info),
                       max_over_ranks=lambda n: max_over_ranks(n, info), value=parts.value, groups_per_mini=per_mini,

@@ -37,6 +37,16 @@ class UpdateData:
     old_logp_N: torch.Tensor
     ref_logp_N: Optional[torch.Tensor] = None
     old_values_N: Optional[torch.Tensor] = None
+    # The decoupled PPO correction's importance weights (fastcredit.trainer.offpolicy); None: no stale turn.
+    behaviour_weight_N: Optional[torch.Tensor] = None
+
+
+def token_weight(data: UpdateData) -> Optional[torch.Tensor]:
+    """The loss's per-token weight: the estimator's (``credit.weight_N``) times the behaviour weight."""
+    w, b = data.credit.weight_N, data.behaviour_weight_N
+    if b is None:
+        return w
+    return b if w is None else w * b
 
 
 def _cut(t: Optional[torch.Tensor], index: torch.Tensor, device) -> Optional[torch.Tensor]:
@@ -62,6 +72,7 @@ def ppo_update(policy, data: UpdateData, loss_cfg, optim_cfg, device, *,
     batch = data.batch
     B = batch.num_trajectories
     order = torch.arange(B)
+    weight_N = token_weight(data)
     groups = torch.unique(batch.group_id_B, return_inverse=True)[1]
     n_groups = int(groups.max()) + 1 if B else 0
     per_mini = groups_per_mini or n_groups
@@ -74,16 +85,16 @@ def ppo_update(policy, data: UpdateData, loss_cfg, optim_cfg, device, *,
                 continue
             if on_step is not None:
                 on_step()
-            m = _mini_step(policy, data, mini, loss_cfg, optim_cfg, device, temperature, dp_size, reduce, value,
-                           max_over_ranks)
+            m = _mini_step(policy, data, weight_N, mini, loss_cfg, optim_cfg, device, temperature, dp_size, reduce,
+                           value, max_over_ranks)
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + v
             steps += 1
     return {k: v / max(steps, 1) for k, v in totals.items()}
 
 
-def _mini_step(policy, data: UpdateData, mini, loss_cfg, optim_cfg, device, temperature, dp_size, reduce, value,
-               max_over_ranks) -> dict:
+def _mini_step(policy, data: UpdateData, weight_N, mini, loss_cfg, optim_cfg, device, temperature, dp_size, reduce,
+               value, max_over_ranks) -> dict:
     batch, credit = data.batch, data.credit
     sub = select(batch, mini)
     tok, seg = selection_index(batch, mini)
@@ -109,7 +120,7 @@ def _mini_step(policy, data: UpdateData, mini, loss_cfg, optim_cfg, device, temp
         loss, m = policy_loss(
             logp, _cut(data.old_logp_N, gtok, device), micro.seg_id_N.to(device), micro.seg_traj_S.to(device), counts,
             loss_cfg, ref_logp_N=_cut(data.ref_logp_N, gtok, device) if loss_cfg.kl_coef else None,
-            entropy_N=ent if loss_cfg.entropy_coef else None, weight_N=_cut(credit.weight_N, gtok, device),
+            entropy_N=ent if loss_cfg.entropy_coef else None, weight_N=_cut(weight_N, gtok, device),
             phi_mask_N=_cut(credit.phi_mask_N, gtok, device), loss_mask_N=_cut(credit.loss_mask_N, gtok, device),
             dp_size=dp_size, **adv)
         m = dict(m)

@@ -14,6 +14,7 @@ class Engine:
 
     def __init__(self, name, log):
         self.name, self.log, self.holds = name, log, None
+        self.weights_version = 0  # as fastcredit.rollout.engines.base.Engine
 
     def sleep(self, level):
         self.log.append(f"{self.name}.sleep({level})")
@@ -140,3 +141,23 @@ def test_a_frozen_model_is_on_the_device_only_while_used():
 def test_own_engine_and_switched_weights_are_exclusive():
     with pytest.raises(ValueError, match="not both"):
         PhaseManager(Engine("p", []), Engine("c", []), judge_weights=Critic())
+
+
+def test_each_sync_stamps_the_policy_version_on_the_engine():
+    """The engine's weights_version is the version its weights came from: set at the sync, not at the update."""
+    log = []
+    pm, engine, state = _manager(log, judge_weights=Critic())
+    with pm.rollout(weights=state):
+        assert engine.weights_version == 0
+    pm.mark_updated(1)
+    assert engine.weights_version == 0  # not synced yet
+    with pm.judge():
+        pass
+    with pm.rollout(weights=state):
+        assert engine.weights_version == 1
+    pm.mark_updated(7)  # a resume at step 7
+    with pm.rollout(weights=state):
+        assert engine.weights_version == 7
+    pm.mark_updated()  # None keeps the version (an engine started without weights)
+    with pm.rollout(weights=state):
+        assert engine.weights_version == 7

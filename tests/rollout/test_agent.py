@@ -1,6 +1,7 @@
 """The agent loop's state machine with a scripted engine and searcher: turn kinds, limits,
 observations never trained on, async vs lockstep, batching, and ProCeed rewinds."""
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -292,3 +293,19 @@ def test_cut_at_first_tag_prefers_search_and_keeps_untagged_actions_whole(tok):
     assert not tok.decode(both[:kept - 1], skip_special_tokens=False).endswith("</search>")
     plain = ids("I think so. Fake <information>x")
     assert cut_at_first_tag(plain, tok) == (len(plain), False)
+
+
+def test_every_turn_records_the_version_of_the_weights_that_wrote_it(tok):
+    """Turns carry the engine's weights_version (seg_version_S); a ProCeed refinement (the critic's text, no
+    version of its own) belongs to the rollout of the turn it replaces."""
+    agent, engine, _ = loop(tok, search_then_answer)
+    one = engine._one
+    engine._one = lambda p, q: dataclasses.replace(one(p, q), version=7)
+    assert agent.run(prompts(tok, 2), group_id=[0, 0]).batch.seg_version_S.tolist() == [7, 7, 7, 7]
+    engine.script = lambda text, turn: ("<search>where was Ada born</search>" if text.startswith("Refine")
+                                        else "<search>bad</search>" if turn == 0 else "<answer>Paris</answer>")
+    refine = lambda question, history, rejected, critique: "Refine: " + rejected  # noqa: E731
+    refiner = ScriptedEngine(tok, engine.script)  # reports no version, as proceed.py's refined outputs
+    agent.step_hook = ProceedHook(ScriptedCritic([1]), refine, refiner, tok, tau=3, max_rewinds=1)
+    res = agent.run(prompts(tok, 1), group_id=[0], metas=[{"proceed": True}])
+    assert res.episodes[0].meta["rewinds"] == 1 and res.batch.seg_version_S.tolist() == [7, 7]

@@ -39,6 +39,7 @@ class GenOutput:
     logprobs: Optional[list]
     finish_reason: str  # "stop" | "length"
     stop_reason: Optional[Union[str, int]] = None  # the stop string or stop token matched
+    version: Optional[int] = None  # the engine's weights_version when the request started
 
 
 class Engine(abc.ABC):
@@ -46,6 +47,9 @@ class Engine(abc.ABC):
 
     tokenizer = None
     weight_dtype: torch.dtype = torch.float32  # what update_weights wants streamed (the sync casts shards to it)
+    # The policy version (updates done) of the weights loaded: the trainer's PhaseManager sets it after each weight
+    # sync; every GenOutput carries it, every turn records it (TrajectoryBatch.seg_version_S).
+    weights_version: int = 0
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]],

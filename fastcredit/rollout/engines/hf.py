@@ -127,7 +127,8 @@ class HFEngine(Engine):
             out = self.model(input_ids=nxt[:, None].to(self.device), attention_mask=mask,
                              position_ids=last_pos[:, None], past_key_values=cache, use_cache=True)
             cache, logits = out.past_key_values, out.logits[:, -1]
-        return [GenOutput(toks[r], lps[r] if params[r].logprobs else None, done[r][0], done[r][1]) for r in range(R)]
+        return [GenOutput(toks[r], lps[r] if params[r].logprobs else None, done[r][0], done[r][1],
+                          version=self.weights_version) for r in range(R)]
 
     def _finished(self, toks: list[int], p: SamplingParams):
         if toks[-1] in p.stop_token_ids:

@@ -334,7 +334,8 @@ class VLLMEngine(Engine):
         stop = c.stop_reason
         if reason == "stop" and stop is None and ids:
             stop = ids[-1]  # vLLM reports the tokenizer's own EOS without a reason
-        return GenOutput(ids, lps, reason, stop)
+        # weights change only while no request runs (_idle), so the version now is the one the request started with
+        return GenOutput(ids, lps, reason, stop, version=self.weights_version)
 
     def _idle(self, what: str):
         """The step lock, once no request is queued or running (weights and memory change under none)."""
