@@ -57,7 +57,15 @@ warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_int
                         "deprecated", category=FutureWarning)
 
 import deepspeed  # noqa: E402
+import deepspeed.ops  # noqa: E402
 from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum  # noqa: E402
+
+# NOTE: on its CPU accelerator DeepSpeed's comm backend JIT-compiles a shared-memory all-reduce op
+# (deepspeed_shm_comm) when it starts: about 45 s of C++ in every new environment (the build is keyed on the
+# environment's path). Only DeepSpeed inference's inference_all_reduce uses it; training's collectives go through
+# torch.distributed. An op marked incompatible is one build_shm_op skips.
+if os.environ["DS_ACCELERATOR"] == "cpu":
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 from fastcredit.distributed.engine import (  # noqa: E402
     OptimizerFactory, TrainEngine, apply_activation_checkpointing, hf_name, move_optimizer_state)

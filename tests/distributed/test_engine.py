@@ -63,3 +63,31 @@ def test_deepspeed_config_maps_our_settings():
     assert "offload_optimizer" not in deepspeed_config(1, 3, False, False, 1.0)["zero_optimization"]
     with pytest.raises(ValueError, match="distributed.zero_stage must be 2 or 3, got 1"):
         deepspeed_config(1, 1, False, False, 1.0)
+
+
+SHM_CHECK = """
+import os
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import fastcredit.distributed.deepspeed_engine
+import deepspeed
+import deepspeed.comm.comm as cc
+deepspeed.init_distributed(dist_backend="gloo")
+print("shm op:", cc.cdb.shm_comm_op)
+"""
+
+
+def test_deepspeed_on_a_cpu_builds_no_shared_memory_op():
+    """DeepSpeed's CPU comm backend would JIT-compile its inference all-reduce op (about 45 s in every new
+    environment); fastcredit's deepspeed engine marks it unused before DeepSpeed starts."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    proc = subprocess.run([sys.executable, "-c", SHM_CHECK], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PORT": port, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "shm op: None" in proc.stdout
