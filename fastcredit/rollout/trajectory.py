@@ -155,8 +155,10 @@ class TrajectoryBatch:
             raise TrajectoryError(f"predictions must have {B} entries, got {len(self.predictions)}")
         if self.rollout_logp_N is not None and self.rollout_logp_N.shape != (N,):
             raise TrajectoryError(f"rollout_logp_N must have shape [{N}], got {list(self.rollout_logp_N.shape)}")
-        if self.seg_version_S is not None and self.seg_version_S.shape != (S,):
-            raise TrajectoryError(f"seg_version_S must have shape [{S}], got {list(self.seg_version_S.shape)}")
+        if self.seg_version_S is not None and (self.seg_version_S.shape != (S,)
+                                               or self.seg_version_S.dtype != torch.int64):
+            raise TrajectoryError(f"seg_version_S must be int64 of shape [{S}], got {self.seg_version_S.dtype} "
+                                  f"{list(self.seg_version_S.shape)}")
         if S == 0:
             if B > 0:
                 raise TrajectoryError("every trajectory needs at least one turn; trajectory 0 has none")

@@ -141,5 +141,7 @@ def test_versions_travel_with_the_batch():
     assert from_turns([[Turn([1], "answer")]]).seg_version_S is None
     with pytest.raises(TrajectoryError, match="turn 1 .* no policy version"):
         from_turns([[Turn([1], "search", [2], version=0), Turn([1], "answer")]])
-    with pytest.raises(TrajectoryError, match="seg_version_S must have shape"):
+    with pytest.raises(TrajectoryError, match=r"seg_version_S must be int64 of shape \[5\]"):
         dataclasses.replace(b, seg_version_S=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(TrajectoryError, match="got torch.float32"):
+        dataclasses.replace(b, seg_version_S=torch.zeros(5))
