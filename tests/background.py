@@ -45,17 +45,23 @@ def start_for(config, nodeids) -> None:
     if base is None:
         return
     wanted = set(nodeids)
-    for name, (nodeid, script) in JOBS.items():
+    for name, (nodeid, _) in JOBS.items():
         if nodeid not in wanted or name in _procs:
             continue
         out = os.path.join(base, name)
         os.makedirs(out, exist_ok=True)
         log = open(os.path.join(out, "job.log"), "w")
-        _procs[name] = subprocess.Popen([sys.executable, script[0], out, *script[1:]], cwd=ROOT, stdout=log,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        _procs[name] = subprocess.Popen(_command(name, out), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         with open(os.path.join(out, "pid"), "w") as f:
             f.write(str(_procs[name].pid))
+
+
+def _command(name: str, out: str) -> list:
+    """Job ``name``'s command line writing into ``out``: ``python SCRIPT OUT ARGS``."""
+    script, *args = JOBS[name][1]
+    return [sys.executable, script, out, *args]
 
 
 def finish(config) -> None:
@@ -94,11 +100,10 @@ def result(config, name: str, tmp_path, timeout: float = 900.0) -> dict:
     if out is None or not os.path.exists(os.path.join(out, "pid")):
         out = str(tmp_path / name)
         os.makedirs(out, exist_ok=True)
-        script = JOBS[name][1]
-        proc = subprocess.run([sys.executable, script[0], out, *script[1:]], cwd=ROOT, capture_output=True,
-                              text=True, timeout=timeout + 60)
+        cmd = _command(name, out)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60)
         if proc.returncode != 0:
-            raise RuntimeError(f"{script[0]} exited {proc.returncode}: {proc.stderr[-3000:]}")
+            raise RuntimeError(f"{cmd[1]} exited {proc.returncode}: {proc.stderr[-3000:]}")
         return json.load(open(os.path.join(out, "result.json")))
     done = os.path.join(out, "result.json")
     pid = int(open(os.path.join(out, "pid")).read())

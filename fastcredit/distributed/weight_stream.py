@@ -47,8 +47,7 @@ def _bcast_header(header: Optional[dict], src: int, group, device) -> dict:
 def _flush(entries: list, chunks: list, version: int, src: int, group, device) -> None:
     nbytes = sum(c.numel() for c in chunks)
     _bcast_header({"version": version, "tensors": entries, "nbytes": nbytes}, src, group, device)
-    buf = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=device)
-    dist.broadcast(buf, src=src, group=group)
+    dist.broadcast(torch.cat(chunks), src=src, group=group)
 
 
 def send_weights(named: Iterable[tuple[str, torch.Tensor]], version: int, src: int, group=None,

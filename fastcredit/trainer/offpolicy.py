@@ -52,15 +52,21 @@ def token_lag(batch, lag_S: torch.Tensor) -> torch.Tensor:
 def behaviour_weights(prox_logp_N: torch.Tensor, behav_logp_N: torch.Tensor, stale_N: torch.Tensor, cap: float,
                       mode: str = "truncate") -> torch.Tensor:
     """float32 [N]: ``π_prox / π_behav`` on ``stale_N`` tokens, bounded by ``cap`` as ``mode`` says; 1 elsewhere."""
+    stale_N = stale_N.bool()
+    return _bounded(_raw_weights(prox_logp_N, behav_logp_N, stale_N), stale_N, cap, mode)
+
+
+def _raw_weights(prox_logp_N: torch.Tensor, behav_logp_N: torch.Tensor, stale_N: torch.Tensor) -> torch.Tensor:
+    # observation and fresh tokens may hold anything (-inf padding): zero the exponent there first
+    return torch.exp(torch.where(stale_N, prox_logp_N.float() - behav_logp_N.float(), 0.0))
+
+
+def _bounded(raw_N: torch.Tensor, stale_N: torch.Tensor, cap: float, mode: str) -> torch.Tensor:
     if mode not in BEHAVIOUR_MODES:
         raise ValueError(f"unknown loss.behaviour_weight_mode {mode!r}; valid: {', '.join(BEHAVIOUR_MODES)}")
     if not cap > 1.0:
         raise ValueError(f"loss.behaviour_weight_cap must be > 1, got {cap}")
-    stale_N = stale_N.bool()
-    # observation and fresh tokens may hold anything (-inf padding): zero the exponent there first
-    log_w = torch.where(stale_N, prox_logp_N.float() - behav_logp_N.float(), 0.0)
-    w = torch.exp(log_w)
-    w = w.clamp(max=cap) if mode == "truncate" else torch.where(w <= cap, w, 0.0)
+    w = raw_N.clamp(max=cap) if mode == "truncate" else torch.where(raw_N <= cap, raw_N, 0.0)
     return torch.where(stale_N, w, 1.0)
 
 
@@ -86,9 +92,9 @@ def behaviour_correction(batch, old_logp_N: torch.Tensor, version: int, max_lag:
                              "must report the sampled tokens' log-probs (SamplingParams.logprobs) when turns can lag")
     action_N = batch.seg_id_N >= 0
     stale_N = (token_lag(batch, lag_S) > 0) & action_N
-    w_N = behaviour_weights(old_logp_N, batch.rollout_logp_N, stale_N, cap, mode)
+    raw = _raw_weights(old_logp_N, batch.rollout_logp_N, stale_N)
+    w_N = _bounded(raw, stale_N, cap, mode)
     n_stale = max(int(stale_N.sum()), 1)
-    raw = torch.exp(torch.where(stale_N, old_logp_N.float() - batch.rollout_logp_N.float(), 0.0))
     metrics.update({
         "offpolicy/stale_token_frac": float(stale_N.sum()) / max(int(action_N.sum()), 1),
         "offpolicy/behaviour_weight_mean": float(torch.where(stale_N, w_N, 0.0).sum()) / n_stale,
