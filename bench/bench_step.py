@@ -4,6 +4,7 @@
     PYTHONPATH=. python bench/bench_step.py --steps 5 credit.estimator=ppo          # any key=value override
     PYTHONPATH=. python bench/bench_step.py --shape Qwen2.5-0.5B    # GPU: random weights of that shape
     PYTHONPATH=. python bench/bench_step.py --shape Qwen2.5-3B --config configs/debug.yaml rollout.n_samples=5
+    PYTHONPATH=. python bench/bench_step.py --placement split --staleness 0,1,2   # overlap: bench/step_split.py
 
 One process runs ``--warmup`` + ``--steps`` trainer steps of each design on the same config, model
 shape, data, seed and batch: fastcredit's own (the config as given) and Search-R1's system design
@@ -241,14 +242,25 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="tiny", help="tiny, or a preset of fastcredit.trainer.memory (random weights)")
     p.add_argument("--work", default=None, help="folder for the runs and the toy world (default: a temporary one)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    p.add_argument("--placement", choices=("colocated", "split"), default="colocated",
+                   help="split: the split placement at each --staleness beside colocated, 2 ranks "
+                        "(bench/step_split.py)")
+    p.add_argument("--staleness", default="0,1,2", help="--placement split: the rollout.max_staleness values")
     p.add_argument("overrides", nargs="*", help="key=value config overrides, applied to both designs")
     a = p.parse_args(argv)
     if a.steps < 1 or a.warmup < 0:
         p.error("--steps must be at least 1 and --warmup at least 0")
-    work = a.work or tempfile.mkdtemp(prefix="bench_step_")
+    work = a.work = a.work or tempfile.mkdtemp(prefix="bench_step_")
     world = os.path.join(work, "world")
     common = [f"data.world_dir={world}", "eval.questions=0", "eval.every=0", "logging.checkpoint_every=0",
               "logging.progress=false", *shape_overrides(a.shape), *a.overrides]
+    if a.placement == "split":
+        import step_split
+
+        if not all(k.strip().isdigit() for k in a.staleness.split(",")):
+            p.error(f"--staleness takes comma-separated whole numbers, got {a.staleness!r}")
+        device = device_name("cuda" if torch.cuda.is_available() else "cpu")
+        return step_split.main(a, common, ROOT, device, torch.__version__, write_results)
     runs = {"fastcredit": run_design("fastcredit", a.config, common, work, a.steps, a.warmup)}
     server = RetrievalServer(os.path.join(world, "corpus.jsonl"), os.path.join(work, "retrieval_server.log"))
     try:

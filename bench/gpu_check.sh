@@ -27,7 +27,7 @@ record() {  # stage status reason
   echo "[gpu-check] $1: $2${3:+ ($3)}"
 }
 export -f record
-want() { [[ " ${GPU_CHECK_STAGES:-env build tests kernels train ranks rollout step nsys} " == *" $1 "* ]]; }
+want() { [[ " ${GPU_CHECK_STAGES:-env build tests kernels train ranks rollout step split nsys} " == *" $1 "* ]]; }
 run_stage() {  # name, then a command or an exported function; a timeout or crash without a record is a failure
   local name=$1; shift
   want "$name" || return 0
@@ -91,6 +91,21 @@ if [ "$CUDA" = 1 ]; then
   run_stage step step_stage
 else
   want step && record step "not run" "needs CUDA (on a CPU: PYTHONPATH=. python bench/bench_step.py)"
+fi
+
+GPUS=$([ "$CUDA" = 1 ] && "$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "$CUDA" = 1 ] && [ "$GPUS" -ge 2 ]; then
+  split_stage() {  # the split placement at k = 0, 1, 2 beside colocated, 2 ranks, vLLM where it imports
+    ENGINE=$("$PY" -c "import importlib.util as u; print('vllm' if u.find_spec('vllm') else 'hf')")
+    PYTHONPATH=".:bench${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/bench_step.py --placement split --staleness 0,1,2 \
+      --shape Qwen2.5-0.5B --steps 4 --warmup 1 --out "$OUT" --work "$OUT/work/split" rollout.engine=$ENGINE \
+      && record split passed "step_split_Qwen2.5-0.5B_*.{json,md} (engine $ENGINE)" || record split failed "see split.log"
+  }
+  export -f split_stage
+  run_stage split split_stage
+elif want split; then
+  record split "not run" "$([ "$CUDA" = 1 ] && echo "needs 2 GPUs (a training and a rollout rank), $GPUS visible" \
+    || echo 'needs CUDA (the CPU figure: bench/bench_step.py --placement split, in bench/results)')"
 fi
 
 if [ "$CUDA" = 1 ] && command -v nsys >/dev/null; then

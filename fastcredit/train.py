@@ -96,6 +96,8 @@ def main(argv: Optional[list] = None) -> int:
             print(f"config error: {exc}", file=sys.stderr)
             return 2
     info = init_distributed(cfg.distributed.backend, cfg.distributed.shard_size)
+    if cfg.distributed.placement == "split":
+        return split_main(cfg, info, resume, profile)
     trainer = Trainer(cfg, info, resume=resume, profile=profile)
     try:
         summary = trainer.fit()
@@ -106,6 +108,41 @@ def main(argv: Optional[list] = None) -> int:
     finally:
         trainer.logger.close()
     if info.is_main:
+        _report(trainer, summary)
+    shutdown(info)
+    return 0
+
+
+def split_main(cfg, info, resume: bool, profile: bool) -> int:
+    """``distributed.placement=split``: this rank's role (``fastcredit.trainer.split``), run to the end."""
+    from fastcredit.distributed.split import SplitError, split_layout
+    from fastcredit.trainer.loop import CollapseError
+    from fastcredit.trainer.split import RolloutWorker, SplitTrainer
+
+    try:
+        layout = split_layout(info, cfg.distributed.rollout_ranks, cfg.optim.batch_prompts)
+    except SplitError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    if cfg.rollout.engine == "vllm":  # vLLM's groups span the job: every rank makes them, engine or not
+        from fastcredit.rollout.engines.vllm import parallel_state_on_every_rank
+
+        parallel_state_on_every_rank(info.rank, info.world_size, info.local_rank, info.device,
+                                     engine_here=layout.role == "rollout")
+    if layout.role == "rollout":
+        RolloutWorker(cfg, layout).run()
+        shutdown(info)
+        return 0
+    trainer = SplitTrainer(cfg, layout, resume=resume, profile=profile)
+    try:
+        summary = trainer.fit()
+    except CollapseError as exc:
+        trainer.say(f"error: {exc}")
+        sys.stdout.flush()
+        os._exit(3)  # the rollout ranks wait for weights that will not come: torchrun stops them
+    finally:
+        trainer.logger.close()
+    if layout.info.is_main:
         _report(trainer, summary)
     shutdown(info)
     return 0

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fastcredit.compare.runs import summarize_run, variants
+from fastcredit.compare.runs import summarize_run, train_command, variants
 from fastcredit.config import load_config
 from fastcredit.compare.report import CREDIT_METRICS, format_markdown, mean_interval, steps_to, summarize
 from tests import forkserver
@@ -113,6 +113,12 @@ def test_variants_and_summaries():
     assert [v for v, _ in variants(["grpo", "pica"], 0.2)] == ["grpo", "pica", "pica+noise0.2"]
     assert "judges.oracle_noise=0.2" in dict(variants(["pica"], 0.2))["pica+noise0.2"]
     assert [v for v, _ in variants(["grpo", "pica"], 0.0)] == ["grpo", "pica"]
+    split = dict(variants(["grpo"], 0.0, (0, 2)))
+    assert list(split) == ["grpo", "grpo+split-k0", "grpo+split-k2"]
+    assert split["grpo+split-k2"][-2:] == ["distributed.placement=split", "rollout.max_staleness=2"]
+    assert train_command("c.yaml", split["grpo+split-k2"])[1:6] == ["-m", "torch.distributed.run", "--standalone",
+                                                                     "--nproc_per_node=2", "-m"]
+    assert train_command("c.yaml", split["grpo"])[1:3] == ["-m", "fastcredit.train"]
     rows = [{"step": 0, "eval/em": 0.1}, {"step": 1, "reward": 0.5, "critic/requests": 8, "time/step": 2.0},
             {"step": 2, "reward": 0.5, "critic/requests": 4, "proceed/critiqued_steps": 2, "time/step": 4.0,
              "credit/against_outcome_frac": 0.25},

@@ -59,12 +59,24 @@ JUDGED = ("criticsearch", "cwgrpo", "proceed", "pica")
 QUICK_STEP_SHARE = 0.5  # --quick: this share of optim.total_steps, one seed
 
 
-def variants(methods: list[str], noise: float) -> list[tuple[str, list[str]]]:
-    """``(label, overrides)`` per run kind: each method, then each judged one with a noisy oracle."""
+SPLIT = "distributed.placement=split"
+
+
+def variants(methods: list[str], noise: float, staleness: tuple = ()) -> list[tuple[str, list[str]]]:
+    """``(label, overrides)`` per run kind: each method, then each judged one with a noisy oracle, then each method
+    under the split placement at each staleness bound k (``<method>+split-k<k>``, 2 ranks under torchrun)."""
     out = [(m, METHODS[m]) for m in methods]
     if noise > 0:
         out += [(f"{m}+noise{noise:g}", METHODS[m] + [f"judges.oracle_noise={noise}"]) for m in methods if m in JUDGED]
+    out += [(f"{m}+split-k{k}", METHODS[m] + [SPLIT, f"rollout.max_staleness={k}"]) for m in methods for k in staleness]
     return out
+
+
+def train_command(config: str, overrides: list[str]) -> list[str]:
+    """The run's command: ``python -m fastcredit.train``, or under torchrun with 2 ranks (a training and a rollout
+    rank) for the split placement."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if SPLIT in overrides else []
+    return [sys.executable, *launcher, "-m", "fastcredit.train", "--config", config, *overrides]
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -86,6 +98,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--threshold", type=float, default=None,
                    help="EM for 'steps to threshold' (default: GRPO's final mean EM, or the first method's)")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from finished runs")
+    p.add_argument("--staleness", default="", help="also each method under the split placement at these "
+                                                    "rollout.max_staleness values (e.g. 0,1,2; 2 ranks each)")
     args, overrides = p.parse_known_args(argv)
     bad = [o for o in overrides if "=" not in o or o.startswith("-")]
     if bad:
@@ -98,6 +112,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--seeds must be at least 1, got {args.seeds}")
     if args.jobs < 1:
         p.error(f"--jobs must be at least 1, got {args.jobs}")
+    if not all(k.strip().isdigit() for k in args.staleness.split(",") if k.strip()):
+        p.error(f"--staleness takes comma-separated whole numbers, got {args.staleness!r}")
+    args.staleness = tuple(int(k) for k in args.staleness.split(",") if k.strip())
     if not 0.0 <= args.noise <= 1.0:
         p.error(f"--noise must be in [0, 1], got {args.noise}")
     args.methods = methods
@@ -234,7 +251,7 @@ def run_all(args, overrides: list[str], cfg) -> Optional[str]:
     # seed by seed, every method within a seed: a comparison stopped part-way (and resumed in another session) has
     # whole seeds to pair
     todo = [(label, extra, cfg.seed + k) for k in range(args.seeds)
-            for label, extra in variants(args.methods, args.noise)]
+            for label, extra in variants(args.methods, args.noise, args.staleness)]
     pending, running, failed, ready = [], [], None, False
     for i, (label, extra, seed) in enumerate(todo, 1):
         folder = os.path.join(args.runs, label, f"seed{seed}")
@@ -257,12 +274,14 @@ def run_all(args, overrides: list[str], cfg) -> Optional[str]:
             slots = args.jobs if ready else 1
             while pending and failed is None and len(running) < slots:
                 tag, label, run_overrides, seed, folder = pending.pop(0)
-                cmd = [sys.executable, "-m", "fastcredit.train", "--config", args.config, *run_overrides]
+                cmd = train_command(args.config, run_overrides)
                 ckpt = os.path.join(folder, "checkpoints")
                 if os.path.isdir(ckpt) and os.listdir(ckpt):
                     cmd.append("--resume")
                 print(f"{tag} {label} seed {seed}{' (resuming)' if '--resume' in cmd else ''}", flush=True)
-                running.append(_Run(cmd, folder, label, seed, total, tag, threads))
+                # a split run's two ranks share its cores (torchrun gives each 1 thread when none is set)
+                each = threads if threads is None or SPLIT not in run_overrides else max(1, threads // 2)
+                running.append(_Run(cmd, folder, label, seed, total, tag, each))
             if failed is not None and not running:
                 break
             time.sleep(2.0)
@@ -323,7 +342,7 @@ def main(argv: Optional[list] = None) -> int:
     from fastcredit.compare.report import write_report
 
     name = os.path.splitext(os.path.basename(args.config))[0] + ("_quick" if args.quick else "")
-    labels = [label for label, _ in variants(args.methods, args.noise)]
+    labels = [label for label, _ in variants(args.methods, args.noise, args.staleness)]
     setting = f"{args.jobs} runs side by side" if args.jobs > 1 else ""
     paths = write_report(args.runs, labels, args.out, name, args.threshold, setting)
     print("\n".join(["report:", *paths]))

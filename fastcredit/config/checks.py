@@ -43,6 +43,17 @@ def check_rules(cfg) -> None:
          f"rollout.tensor_parallel={cfg.rollout.tensor_parallel}: each rank's rollout engine runs in the trainer's "
          "process on that rank's GPU (the hf engine has no tensor parallelism; vLLM would run tensor-parallel "
          "workers in other processes, where the streamed weight sync cannot reach them); use 1"),
+        (cfg.rollout.max_staleness == 0 or cfg.distributed.placement == "split",
+         f"rollout.max_staleness={cfg.rollout.max_staleness} needs distributed.placement=split: colocated ranks "
+         "roll out with the weights they just trained (staleness 0)"),
+        (not cfg.rollout.partial or cfg.distributed.placement == "split",
+         "rollout.partial=true needs distributed.placement=split (colocated weights change only between steps)"),
+        (cfg.distributed.placement == "colocated" or cfg.distributed.engine == "fsdp2",
+         "distributed.placement=split trains with distributed.engine=fsdp2 (DeepSpeed's engine spans every rank "
+         "of the job, rollout ranks included); use fsdp2 or placement=colocated"),
+        (cfg.distributed.placement == "colocated" or cfg.distributed.shard_size == -1,
+         f"distributed.shard_size={cfg.distributed.shard_size}: a split placement shards over its training ranks "
+         "only (a 1-D mesh); leave it at -1"),
     ]
     for ok, message in checks:
         if not ok:

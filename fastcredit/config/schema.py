@@ -133,6 +133,12 @@ class RolloutConfig:
                                         "re-synced after the update)")
     enable_prefix_caching: bool = opt(True, "vLLM prefix caching")
     tensor_parallel: int = opt(1, "vLLM tensor parallel size", range=COUNT)
+    max_staleness: int = opt(0, "k: a batch trains only if every turn in it came from a policy at most k updates "
+                                "old (0: synchronous; 1: one-step-off; > 0 needs distributed.placement=split)",
+                             range=NONNEG)
+    partial: bool = opt(False, "placement=split: new weights load between two engine steps and a trajectory in "
+                               "flight goes on with them (its turns keep their versions); false: they load between "
+                               "batches, every trajectory finishes on the weights it started with")
     proceed: ProceedRolloutConfig = opt(ProceedRolloutConfig, "ProCeedRL rewinds")
 
 
@@ -197,6 +203,12 @@ class DistributedConfig:
     shard_size: int = opt(-1, "FSDP2 shard group size, HSDP when it divides the world (-1: all "
                               "ranks; engine=fsdp2 only)", range=COUNT, also=(-1,), note="-1: all ranks")
     colocate: bool = opt(True, "rollout, judge and training take turns on every GPU (vLLM sleep mode)")
+    placement: Literal["colocated", "split"] = opt(
+        "colocated", "colocated: every rank rolls out, judges and trains in turn; split: the first ranks train, "
+        "the last distributed.rollout_ranks only roll out and judge, overlapping with training "
+        "(rollout.max_staleness; fastcredit.distributed.split)")
+    rollout_ranks: int = opt(0, "placement=split: ranks that roll out (the last ones; the others train); 0: half "
+                                "the world", range=NONNEG, note="0: half the world")
     gpus: int = opt(0, "GPUs the run is planned for, one rank each (a paper config: its paper's count); "
                        "--memory-report plans for it unless --gpus or torchrun's WORLD_SIZE says otherwise. Training "
                        "runs on the ranks torchrun starts, whatever this says (0: not stated, one GPU)",

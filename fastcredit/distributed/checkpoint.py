@@ -41,8 +41,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 # the manifest and verification (re-exported: this module is where callers find the checkpoint API)
 from fastcredit.distributed.manifest import (ENGINE_DIR, MANIFEST, MODEL_DIR, TRAINER, CheckpointError,  # noqa: F401
-                                             agreed, attempt, barrier, file_sha256, read_trainer, short_error,
-                                             this_rank, verify_checkpoint, write_manifest, write_synced)
+                                             agreed, attempt, barrier, checkpoint_group, file_sha256, read_trainer,
+                                             short_error, this_rank, verify_checkpoint, write_manifest, write_synced)
 
 LATEST = "latest"
 _STEP = re.compile(r"step_(\d+)")
@@ -89,7 +89,8 @@ def save_checkpoint(root: str, step: int, models: dict, optimizers: dict, traine
     if models:
         with warnings.catch_warnings():  # one process: DCP warns that it saves without a process group
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(_app_state(models, optimizers), checkpoint_id=os.path.join(tmp, MODEL_DIR))
+            dcp.save(_app_state(models, optimizers), checkpoint_id=os.path.join(tmp, MODEL_DIR),
+                     process_group=checkpoint_group())
     for key, engine in (engines or {}).items():
         engine.save_state(os.path.join(tmp, ENGINE_DIR, key))
     torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
@@ -262,7 +263,7 @@ def _load_dcp(path: str, models: dict, optimizers: dict) -> None:
     state = _app_state(models, optimizers)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=os.path.join(path, MODEL_DIR))
+        dcp.load(state, checkpoint_id=os.path.join(path, MODEL_DIR), process_group=checkpoint_group())
     for name, model in models.items():
         opt = optimizers.get(name)
         set_state_dict(model, opt if opt is not None else [], model_state_dict=state[name]["model"],

@@ -33,24 +33,40 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message names each file that is wrong and how."""
 
 
+# The ranks that save and load checkpoints together: the whole job (None), or a split placement's training ranks
+# (fastcredit.distributed.split sets it with use_group); ranks and sizes below count inside it.
+_GROUP = None
+
+
+def use_group(group) -> None:
+    """Checkpoints are written and verified by the ranks of ``group`` (None: every rank of the job)."""
+    global _GROUP
+    _GROUP = group
+
+
+def checkpoint_group():
+    """The group :func:`use_group` set (None: the whole job)."""
+    return _GROUP
+
+
 def this_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank(_GROUP) if dist.is_available() and dist.is_initialized() else 0
 
 
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size(_GROUP) if dist.is_available() and dist.is_initialized() else 1
 
 
 def barrier() -> None:
     if world_size() > 1:
-        dist.barrier()
+        dist.barrier(group=_GROUP)
 
 
 def gather(obj) -> list:
     """``obj`` of every rank, in rank order (collective)."""
     out = [obj] + [None] * (world_size() - 1)
     if world_size() > 1:
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=_GROUP)
     return out
 
 

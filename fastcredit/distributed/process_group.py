@@ -71,6 +71,9 @@ class DistInfo:
     device: torch.device = torch.device("cpu")
     backend: Optional[str] = None
     mesh: object = None  # DeviceMesh, or None on one process
+    # The group the reductions below run over (None: the whole job). A split placement's roles each get a DistInfo
+    # of their own ranks: ``rank`` / ``world_size`` count inside it (fastcredit.distributed.split).
+    group: object = None
 
     @property
     def is_main(self) -> bool:
@@ -142,7 +145,7 @@ def shutdown(info: DistInfo, code: int = 0) -> None:
 def all_reduce_sum(x: torch.Tensor, info: DistInfo) -> torch.Tensor:
     """Sum over ranks in place (identity on one process)."""
     if info.distributed:
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=info.group)
     return x
 
 
@@ -151,7 +154,7 @@ def max_over_ranks(n: int, info: DistInfo) -> int:
     if not info.distributed:
         return n
     t = torch.tensor([n], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=info.group)
     return int(t)
 
 
@@ -165,7 +168,7 @@ def mean_over_ranks(values: dict, info: DistInfo) -> dict:
     if not info.distributed:
         return dict(values)
     names: list = [None] * info.world_size
-    dist.all_gather_object(names, sorted(values))
+    dist.all_gather_object(names, sorted(values), group=info.group)
     keys = sorted(set().union(*names))
     if not keys:
         return {}

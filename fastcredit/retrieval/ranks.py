@@ -77,8 +77,10 @@ class CrossRankIndex:
         self.device = torch.device(device) if device is not None else shard.device
         self.cadence_s, self.max_batch = cadence_ms / 1000, max_batch
         ranks = None if group is None else dist.get_process_group_ranks(group)
+        # a group of some ranks of the job (a split placement's rollout ranks): only they take part in making it
+        local = {} if ranks is None else {"use_local_synchronization": True}
         self._group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s),
-                                     backend="gloo" if shard.device.type == "cpu" else None)
+                                     backend="gloo" if shard.device.type == "cpu" else None, **local)
         if (dist.get_rank(self._group), dist.get_world_size(self._group)) != (rank, world_size):
             raise ValueError(f"rank {rank} of {world_size} given, but the process group has this process as rank "
                              f"{dist.get_rank(self._group)} of {dist.get_world_size(self._group)}")

@@ -134,6 +134,7 @@ class Episode:
         self.turns: list[Turn] = []
         self.steps: list[StepInfo] = []
         self.logprobs: list[float] = []
+        self.logprobs_missing = False  # an action came without the engine's log-probs (not requested)
         self.response_len = 0
         self.done = False
         self._pending: Optional[tuple] = None  # (action ids, logprobs, step) awaiting its observation
@@ -156,6 +157,7 @@ class Episode:
         None when the trajectory ended (answer, truncation)."""
         ids = list(out.token_ids)
         lps = list(out.logprobs) if out.logprobs is not None else [0.0] * len(ids)
+        self.logprobs_missing |= out.logprobs is None and bool(ids)
         if not self.limits.stop_at_tags:
             keep, tagged = cut_at_first_tag(ids, self.tokenizer)
             ids, lps = ids[:keep], lps[:keep]
@@ -399,7 +401,9 @@ class AgentLoop:
     def _result(self, episodes: list[Episode], group_id, seconds: float, calls: int) -> RolloutResult:
         batch = from_turns([e.turns for e in episodes],
                            group_id=list(group_id) if group_id is not None else list(range(len(episodes))))
-        batch.rollout_logp_N = torch.tensor([lp for e in episodes for lp in e.logprobs], dtype=torch.float32)
+        # the engine's log-probs of the sampled tokens (0 on observations), only when every action brought them
+        if not any(e.logprobs_missing for e in episodes):
+            batch.rollout_logp_N = torch.tensor([lp for e in episodes for lp in e.logprobs], dtype=torch.float32)
         return RolloutResult(batch, [e.prompt_ids for e in episodes], episodes, seconds,
                              _stats(episodes, seconds, calls, self.activity))
 

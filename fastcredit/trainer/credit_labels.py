@@ -32,17 +32,25 @@ def gold_turn_labels(episodes, examples) -> Optional[torch.Tensor]:
     return torch.tensor(labels, dtype=torch.float64)
 
 
-def credit_accuracy(batch, reward_B: torch.Tensor, episodes, examples, extras: dict, credit: CreditResult) -> dict:
-    """``credit/*`` credit-accuracy metrics of the step's advantages (``fastcredit.credit.accuracy``): gold labels
-    where the questions have gold hops, else the judge's (names suffixed ``/<judge>``), else none. ``extras``: the
-    judge phase's CreditInputs fields."""
-    inputs = CreditInputs.from_batch(batch, reward_B, **extras)
-    label_S, source = gold_turn_labels(episodes, examples), "gold"
+def turn_labels(batch, reward_B: torch.Tensor, episodes, examples, extras: dict) -> Optional[tuple]:
+    """``(label_S, source)``: the step's good (1) / wasted (0) turn labels and where they come from: the gold hops
+    where the questions have them (``"gold"``), else the judge's; None without either. Computed where the episodes
+    are (the rollout side of a split placement), used where the advantages are (:func:`credit_accuracy`)."""
+    label_S = gold_turn_labels(episodes, examples)
     if label_S is None:
-        judged = judge_turn_labels(inputs)
-        if judged is None:
-            return {}
-        label_S, source = judged
-    elif label_S.numel() != inputs.S:
-        raise ValueError(f"the episodes have {label_S.numel()} turns and the batch {inputs.S}: they must align")
+        return judge_turn_labels(CreditInputs.from_batch(batch, reward_B, **extras))
+    if label_S.numel() != batch.num_turns:
+        raise ValueError(f"the episodes have {label_S.numel()} turns and the batch {batch.num_turns}: they must align")
+    return label_S, "gold"
+
+
+def credit_accuracy(batch, reward_B: torch.Tensor, extras: dict, credit: CreditResult,
+                    labels: Optional[tuple]) -> dict:
+    """``credit/*`` credit-accuracy metrics of the step's advantages (``fastcredit.credit.accuracy``) against
+    ``labels`` (:func:`turn_labels`; names suffixed ``/<judge>`` for a judge's labels); empty without labels.
+    ``extras``: the judge phase's CreditInputs fields."""
+    if labels is None:
+        return {}
+    inputs = CreditInputs.from_batch(batch, reward_B, **extras)
+    label_S, source = labels
     return {f"credit/{k}": v for k, v in credit_accuracy_metrics(inputs, credit, label_S, source).items()}

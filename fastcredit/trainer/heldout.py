@@ -261,7 +261,7 @@ def evaluate_shard(chosen: Sequence[int], info, roll: Callable[[list], list], *,
     import torch.distributed as dist
 
     shards: list = [None] * info.world_size
-    dist.all_gather_object(shards, ours)
+    dist.all_gather_object(shards, ours, group=info.group)
     by_index = {r["index"]: r for shard in shards for r in shard}
     return [by_index[i] for i in chosen]
 

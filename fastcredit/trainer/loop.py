@@ -79,11 +79,15 @@ class Trainer:
                                    cfg.run_name, to_dict(cfg), enabled=info.is_main)
         self.say(f"fastcredit.train: {cfg.run_name} · estimator {cfg.credit.estimator} · {info.world_size} "
                  f"process(es) on {info.device.type} → {self.out_dir}")
-        self.parts = build_parts(cfg, info, self.out_dir, self.say)
+        self.parts = self.build_parts()
         self.step, self.rollbacks, self.lr = 0, 0, LRSchedule(cfg.optim)
         self.sampler = PromptSampler(len(self.parts.data.train), cfg.seed)
         if resume:
             self._resume()
+
+    def build_parts(self):
+        """The run's parts on this rank (``fastcredit.trainer.parts.build_parts``)."""
+        return build_parts(self.cfg, self.info, self.out_dir, self.say)
 
     def say(self, text: str) -> None:
         """A line on rank 0's console, above the progress bar when one is showing."""
@@ -97,30 +101,8 @@ class Trainer:
         return train_step(self.parts, self.cfg, self.info, self.timer, self.sampler, self.step, self.lr)
 
     def evaluate(self) -> dict:
-        """Held-out scores of greedy rollouts over ``eval.questions`` test questions spread evenly over the data
-        sources, each rank rolling out its shard, as ``python -m fastcredit.eval`` does under torchrun
-        (:func:`~fastcredit.trainer.heldout.evaluate_shard`): ``{"eval/em", "eval/f1", "eval/em/<source>", …}``,
-        empty when evaluation is off. ``eval/em`` is the mean over sources, as the papers average."""
-        from fastcredit.rollout.agent import searcher_session
-        from fastcredit.trainer.heldout import (eval_metrics, evaluate_shard, sample_per_source, score_records,
-                                                source_sums, summarize)
-        from fastcredit.trainer.sampling import rollout
-
-        test = self.parts.data.test
-        n = min(self.cfg.eval.questions, len(test))
-        if n == 0:
-            return {}
-        chosen = sample_per_source(test, n, self.cfg.eval.seed_for(self.cfg.seed))  # same on every rank
-
-        def roll(idx: list) -> list:
-            result, examples = rollout(self.parts, self.cfg, idx, test, greedy=True)
-            return score_records(result.episodes, examples, idx)
-
-        with self.timer.phase("eval"), searcher_session(self.parts.searcher):
-            records = evaluate_shard(chosen, self.info, roll)
-        sources = sorted({test[i].data_source for i in chosen})
-        seconds = self.timer.reset().get("eval", 0.0)
-        return {**eval_metrics(summarize(source_sums(records), sources)), "time/eval": seconds}
+        """Held-out scores of the policy now (:func:`evaluate_heldout`); empty when evaluation is off."""
+        return evaluate_heldout(self.parts, self.cfg, self.info, self.timer)
 
     def _checkpointed(self) -> tuple[dict, dict, dict]:
         """What a checkpoint holds, by name: DCP models and optimizers, and engines that save themselves."""
@@ -233,6 +215,33 @@ class Trainer:
         self.rollbacks = rollbacks
         # Other prompts after the rollback, or the same collapse would repeat.
         self.sampler.reseed(self.sampler.seed + 7_777 * rollbacks)
+
+
+def evaluate_heldout(parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer) -> dict:
+    """Held-out scores of greedy rollouts over ``eval.questions`` test questions spread evenly over the data
+    sources, each rank of ``info`` rolling out its shard, as ``python -m fastcredit.eval`` does under torchrun
+    (:func:`~fastcredit.trainer.heldout.evaluate_shard`): ``{"eval/em", "eval/f1", "eval/em/<source>", …}``,
+    empty when evaluation is off. ``eval/em`` is the mean over sources, as the papers average."""
+    from fastcredit.rollout.agent import searcher_session
+    from fastcredit.trainer.heldout import (eval_metrics, evaluate_shard, sample_per_source, score_records,
+                                            source_sums, summarize)
+    from fastcredit.trainer.sampling import rollout
+
+    test = parts.data.test
+    n = min(cfg.eval.questions, len(test))
+    if n == 0:
+        return {}
+    chosen = sample_per_source(test, n, cfg.eval.seed_for(cfg.seed))  # same on every rank
+
+    def roll(idx: list) -> list:
+        result, examples = rollout(parts, cfg, idx, test, greedy=True)
+        return score_records(result.episodes, examples, idx)
+
+    with timer.phase("eval"), searcher_session(parts.searcher):
+        records = evaluate_shard(chosen, info, roll)
+    sources = sorted({test[i].data_source for i in chosen})
+    seconds = timer.reset().get("eval", 0.0)
+    return {**eval_metrics(summarize(source_sums(records), sources)), "time/eval": seconds}
 
 
 def collapse_reason(m: dict, guard, step: int) -> Optional[str]:

@@ -105,10 +105,12 @@ def build_parts(cfg: TrainConfig, info, out_dir: str, say: Callable[[str], None]
                  memory)
 
 
-def build_models(cfg: TrainConfig, info, lm, tokenizer, out_dir: str) -> tuple[Any, Any, Any, EngineStart]:
+def build_models(cfg: TrainConfig, info, lm, tokenizer, out_dir: str,
+                 engine: bool = True) -> tuple[Any, Any, Any, EngineStart]:
     """``(policy, value, ref, engine start)`` from the policy ``lm``: the policy (and value model) as fp32 master
     weights sharded by the training engine; the reference policy as a frozen copy in the compute dtype, sharded
-    the same way and on the device only while it is used; what the rollout engine starts from."""
+    the same way and on the device only while it is used; what the rollout engine starts from (nothing without
+    ``engine``: a split placement's training ranks have none)."""
     from fastcredit.distributed.build import build_train_engine, compute_dtype
     from fastcredit.distributed.engine import adamw
     from fastcredit.distributed.fsdp import FrozenModel
@@ -117,7 +119,8 @@ def build_models(cfg: TrainConfig, info, lm, tokenizer, out_dir: str) -> tuple[A
     o, impl = cfg.optim, cfg.loss.impl
     dtype = compute_dtype(cfg.distributed, info, cfg.model.dtype)
     # The rollout engine's weights: the HF engine's own copy in the compute dtype; vLLM loads a folder.
-    start = EngineStart(lm=hf_engine_copy(cfg, lm, dtype, info)) if cfg.rollout.engine == "hf" else EngineStart()
+    start = EngineStart(lm=hf_engine_copy(cfg, lm, dtype, info)) if engine and cfg.rollout.engine == "hf" \
+        else EngineStart()
     ref = FrozenModel(PolicyModel(frozen_copy(lm, dtype), impl), info) \
         if cfg.loss.kl_coef or cfg.credit.kl_in_reward else None
     if ref is not None and cfg.distributed.colocate and info.device.type == "cuda":
@@ -125,7 +128,7 @@ def build_models(cfg: TrainConfig, info, lm, tokenizer, out_dir: str) -> tuple[A
     # copied before the policy's engine shards lm (ZeRO-3 leaves empty placeholders behind)
     value_lm = frozen_copy(lm).requires_grad_(True).train() if estimator_needs(cfg.credit.estimator).value_model \
         else None
-    if cfg.rollout.engine == "vllm":
+    if engine and cfg.rollout.engine == "vllm":
         start.folder, start.load_format = vllm_start_folder(cfg, lm, tokenizer, out_dir, info.rank,
                                                             cfg.warmstart.enabled)
     policy = build_train_engine(PolicyModel(lm, impl), info, cfg.distributed,
@@ -269,7 +272,9 @@ def loads_on_rank0(cfg: TrainConfig, info) -> bool:
     """Whether a policy read from files is read on rank 0 only (torchrun with FSDP2): the other ranks build it on
     the meta device and FSDP2 fills their shards from rank 0 (``fastcredit.distributed.from_rank0``). A tiny
     policy is built in code on every rank; DeepSpeed loads on every rank."""
-    return info is not None and info.distributed and cfg.distributed.engine == "fsdp2" and cfg.model.policy != "tiny"
+    # a split placement's training ranks each read the file (their group is not the job's, which the broadcast uses)
+    return info is not None and info.distributed and info.group is None and cfg.distributed.engine == "fsdp2" \
+        and cfg.model.policy != "tiny"
 
 
 def load_policy(cfg: TrainConfig, tokenizer, info=None) -> torch.nn.Module:
@@ -402,7 +407,7 @@ def make_searcher(cfg: TrainConfig, tokenizer, corpus: str, progress: bool = Tru
     if device is None and info is not None:
         device = info.device
     own = str(device) if device is not None and torch.device(device).type == "cuda" and r.device != "cpu" else None
-    ranks = {} if info is None else {"rank": info.rank, "world_size": info.world_size}
+    ranks = {} if info is None else {"rank": info.rank, "world_size": info.world_size, "group": info.group}
     retriever = from_config(r, tokenizer=tokenizer, corpus=corpus, progress=progress, device=own, **ranks)
     return retriever_searcher(retriever, r.topk, r.max_passage_tokens, cfg.rollout.max_obs_tokens), retriever
 
@@ -415,7 +420,8 @@ def sampling_params(cfg: TrainConfig, tokenizer, greedy: bool = False):
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     return SamplingParams(max_tokens=r.max_action_tokens, temperature=0.0 if greedy else r.temperature,
                           top_p=1.0 if greedy else r.top_p, top_k=-1 if greedy else r.top_k,
-                          stop_token_ids=eos, logprobs=False, seed=None)
+                          # the sampled tokens' log-probs are the behaviour policy's when turns may lag (offpolicy)
+                          stop_token_ids=eos, logprobs=r.max_staleness > 0 and not greedy, seed=None)
 
 
 def agent_loop(cfg: TrainConfig, engine, searcher, greedy: bool = False, hook=None):

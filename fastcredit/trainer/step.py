@@ -10,21 +10,41 @@ micro-batches (``fastcredit.trainer.update``; the learning rate set before each 
 step) → weight sync into the rollout engine at the next rollout. Each rank rolls out its
 own share of the prompts; the update's denominators are global. A phase takes what it
 needs: the run's :class:`~fastcredit.trainer.parts.Parts`, the config, and plain values.
+
+The step has two halves: :func:`collect` (rollouts to judges and credit labels, into a
+:class:`Collected`) and :func:`learn` (log-probs to the update). Colocated, every rank runs both;
+a split placement runs them on different ranks (``fastcredit.trainer.split``).
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
 from fastcredit.config import TrainConfig
 from fastcredit.distributed.process_group import DistInfo, all_reduce_sum, max_over_ranks, mean_over_ranks
 from fastcredit.runtime.profiling import PhaseTimer, nvtx_range
-from fastcredit.trainer.credit_labels import credit_accuracy
+from fastcredit.trainer.credit_labels import credit_accuracy, turn_labels
 from fastcredit.trainer.offpolicy import behaviour_correction
 from fastcredit.trainer.parts import Parts
 from fastcredit.trainer.sampling import sample_batch
 from fastcredit.trainer.schedule import LRSchedule
+
+
+@dataclass
+class Collected:
+    """One step's scored trajectories: everything the training side needs from the rollout side (the same
+    process when colocated; a message from a rollout rank in a split placement)."""
+
+    prompt_ids: list  # [B] list[int]
+    batch: Any  # TrajectoryBatch, outcome scores written in
+    reward_B: torch.Tensor
+    extras: dict  # the judge phase's CreditInputs fields
+    labels: Optional[tuple]  # (label_S, source) good / wasted search labels (credit_labels.turn_labels)
+    metrics: dict  # the rollout's, rewards', DAPO's and judges' metrics (this rank's)
+    tokens: float  # prompt + response tokens
 
 
 def train_step(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, sampler, step: int,
@@ -34,25 +54,48 @@ def train_step(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer
     ``lr`` sets the learning rates before each optimizer step and counts them."""
     with nvtx_range("step"):
         t0 = time.perf_counter()
+        got = collect(parts, cfg, info, timer, sampler, step)
+        metrics = learn(parts, cfg, info, timer, got, step, lr, bound=0)
+        return step_metrics(parts, info, timer, metrics, got.tokens, t0)
+
+
+def collect(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, sampler, step: int,
+            between_steps: Optional[Callable[[], None]] = None) -> Collected:
+    """Step ``step``'s rollouts, outcome rewards, dynamic sampling and judges, and its credit labels.
+    ``between_steps``: the engine calls it between two of its steps while the policy rolls out (in-flight weight
+    loads; never while a critic's weights are switched in)."""
+    parts.engine.between_steps = between_steps
+    try:
         result, examples, reward, metrics = sample_batch(parts, cfg, info, timer, sampler, step)
-        with timer.phase("judge"), parts.phases.judge():
-            extras, jm = parts.judges.score(result, examples, reward) if parts.judges is not None else ({}, {})
-        metrics.update(jm)
-        old, ref, values = score_tokens(parts, cfg, info, timer, result.prompt_ids, result.batch)
-        # colocated: every turn came from this step's policy (version = steps done), so the bound is 0
-        behaviour_N, om = behaviour_correction(result.batch, old, step, 0, cfg.loss.behaviour_weight_cap,
-                                               cfg.loss.behaviour_weight_mode)
-        metrics.update(om)
-        with timer.phase("advantage"):
-            credit = advantages(cfg, info, result.batch, reward, old, ref, values, extras)
-        metrics.update({f"credit/{k}": v for k, v in credit.metrics.items()})
-        metrics.update(credit_accuracy(result.batch, reward, result.episodes, examples, extras, credit))
-        with timer.phase("update"), parts.phases.train():
-            metrics.update(update(parts, cfg, info, lr, result.prompt_ids, result.batch, credit, old, ref, values,
-                                  behaviour_N))
-        parts.phases.mark_updated(step + 1)  # the policy's version: updates done
-        tokens = float(result.batch.num_tokens + sum(len(p) for p in result.prompt_ids))
-        return step_metrics(parts, info, timer, metrics, tokens, t0)
+    finally:
+        parts.engine.between_steps = None
+    with timer.phase("judge"), parts.phases.judge():
+        extras, jm = parts.judges.score(result, examples, reward) if parts.judges is not None else ({}, {})
+    metrics.update(jm)
+    labels = turn_labels(result.batch, reward, result.episodes, examples, extras)
+    tokens = float(result.batch.num_tokens + sum(len(p) for p in result.prompt_ids))
+    return Collected(result.prompt_ids, result.batch, reward, extras, labels, metrics, tokens)
+
+
+def learn(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, got: Collected, step: int,
+          lr: LRSchedule, bound: int) -> dict:
+    """Train step ``step`` on ``got``: log-probs, the decoupled correction of turns up to ``bound`` versions old
+    (StalenessError beyond), advantages, credit accuracy, the update; the policy's version is then ``step + 1``.
+    Returns the step's metrics (this rank's; the actor's and critic's already global)."""
+    metrics = dict(got.metrics)
+    old, ref, values = score_tokens(parts, cfg, info, timer, got.prompt_ids, got.batch)
+    behaviour_N, om = behaviour_correction(got.batch, old, step, bound, cfg.loss.behaviour_weight_cap,
+                                           cfg.loss.behaviour_weight_mode)
+    metrics.update(om)
+    with timer.phase("advantage"):
+        credit = advantages(cfg, info, got.batch, got.reward_B, old, ref, values, got.extras)
+    metrics.update({f"credit/{k}": v for k, v in credit.metrics.items()})
+    metrics.update(credit_accuracy(got.batch, got.reward_B, got.extras, credit, got.labels))
+    with timer.phase("update"), parts.phases.train():
+        metrics.update(update(parts, cfg, info, lr, got.prompt_ids, got.batch, credit, old, ref, values,
+                              behaviour_N))
+    parts.phases.mark_updated(step + 1)  # the policy's version: updates done
+    return metrics
 
 
 def score_tokens(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, prompts, batch):

@@ -38,7 +38,7 @@ class ScriptedEngine:
         stop = next((s for s in params.stop if action.endswith(s)), None)
         if len(ids) > params.max_tokens:
             ids, stop = ids[: params.max_tokens], None
-        return GenOutput(ids, [-0.5] * len(ids), "stop" if stop else "length", stop)
+        return GenOutput(ids, [-0.5] * len(ids) if params.logprobs else None, "stop" if stop else "length", stop)
 
     def generate(self, prompts, params):
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -97,6 +97,14 @@ def test_search_then_answer_is_two_turns_and_observations_are_not_trained(tok, m
     assert torch.equal(b.rollout_logp_N[b.seg_id_N >= 0], torch.full((int((b.seg_id_N >= 0).sum()),), -0.5))
     assert (b.rollout_logp_N[b.seg_id_N < 0] == 0).all()
     assert res.stats["searches_per_traj"] == 1.0 and res.stats["turns_per_traj"] == 2.0
+
+
+def test_without_the_engines_log_probs_the_batch_has_none(tok):
+    """Log-probs not requested: no behaviour log-probs at all, never zeros standing in for them (the decoupled
+    correction refuses a stale turn without them)."""
+    agent, _, _ = loop(tok, search_then_answer)
+    agent.sampling = SamplingParams(max_tokens=64, logprobs=False)
+    assert agent.run(prompts(tok, 2), group_id=[0, 0]).batch.rollout_logp_N is None
 
 
 def test_async_and_lockstep_give_the_same_trajectories(tok):

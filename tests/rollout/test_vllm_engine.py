@@ -173,6 +173,37 @@ def test_rejected_request_fails_alone_and_busy_engine_refuses_weight_changes(set
     assert len(_run(main()).token_ids) == 300
 
 
+def test_weights_loaded_between_steps_keep_running_requests(setup):
+    """A split placement's in-flight load: new weights go in between two scheduler steps while a request runs; it
+    is not dropped (preempted, its KV recomputed), keeps the version it started with, and later requests get the
+    new one and the new weights' output."""
+    tok, lm, eng = setup
+    other = build_tiny_policy(tok, hidden=64, layers=2, heads=2, seed=3)
+    p = tok("hello world where", add_special_tokens=False)["input_ids"]
+    sp = SamplingParams(max_tokens=40, temperature=0.0, logprobs=True)
+    seen = []
+
+    def load():
+        seen.append(eng.driver.busy)
+        if len(seen) == 5:  # some steps into the request
+            eng.load_between_steps(other.state_dict().items())
+            eng.weights_version = 7
+
+    eng.weights_version = 6
+    eng.between_steps = load
+    try:
+        running = _run(eng.agenerate(p, sp))
+        later = eng.generate([p], SamplingParams(max_tokens=5, temperature=0.0, logprobs=True))[0]
+    finally:
+        eng.between_steps = None
+    assert len(seen) >= 5 and all(seen[:5])  # the load came with the request in flight
+    assert len(running.token_ids) == 40 and running.version == 6
+    ref = HFEngine(other, tok).generate([p], SamplingParams(max_tokens=5, temperature=0.0, logprobs=True))[0]
+    assert later.version == 7 and later.token_ids == ref.token_ids
+    eng.update_weights(lm.state_dict().items())
+    eng.weights_version = 0
+
+
 def test_failed_step_fails_every_waiting_request(setup):
     """An engine step that raises ends every request in flight with the cause, and new requests are refused."""
     import asyncio

@@ -9,7 +9,7 @@ import torch
 from fastcredit.credit import CreditResult
 from fastcredit.data.toyqa import new_hop_turns
 from fastcredit.rollout.trajectory import Turn, from_turns
-from fastcredit.trainer.credit_labels import credit_accuracy, gold_turn_labels
+from fastcredit.trainer.credit_labels import credit_accuracy, gold_turn_labels, turn_labels
 
 # A two-hop question: hop 1 stated by passage p1, hop 2 by p2 or p2b.
 QUESTION = {"golden_answers": ["x"], "metadata": {"hops": [{"passage_ids": ["p1"]}, {"passage_ids": ["p2", "p2b"]}]}}
@@ -28,6 +28,11 @@ def _rollout():
     return episodes, batch
 
 
+def accuracy(batch, reward, episodes, examples, extras, credit) -> dict:
+    """The step's two halves: labels where the episodes are, accuracy where the advantages are."""
+    return credit_accuracy(batch, reward, extras, credit, turn_labels(batch, reward, episodes, examples, extras))
+
+
 def test_a_search_is_good_when_it_finds_a_hop_no_earlier_turn_found():
     assert new_hop_turns(QUESTION, [["p1", "q"], ["p1"], ["p2b"], []]) == [True, False, True, False]
     assert new_hop_turns(QUESTION, [["q"], ["p2"]]) == [False, True]
@@ -40,7 +45,7 @@ def test_the_step_logs_gold_metrics_for_an_estimator_without_a_judge():
     episodes, batch = _rollout()
     # turn advantages: success 0.5 on every turn (GRPO-like); failure: W −0.3, G 0.2, answer −1
     credit = CreditResult(adv_S=torch.tensor([0.5, 0.5, 0.5, 0.5, -0.3, 0.2, -1.0]))
-    m = credit_accuracy(batch, torch.tensor([1.0, 0.0]), episodes, [QUESTION, QUESTION], {}, credit)
+    m = accuracy(batch, torch.tensor([1.0, 0.0]), episodes, [QUESTION, QUESTION], {}, credit)
     # good {0.5, 0.5, 0.2} vs wasted {0.5, −0.3}: 0.5 ties 0.5 and beats −0.3 (1.5, twice); 0.2 beats −0.3 (1):
     # 4 of 6 pairs. Within: trajectory 0 all ties, 0.5; trajectory 1, 1.
     assert m == {"credit/turn_auc": pytest.approx(4 / 6), "credit/turn_auc_within": pytest.approx(0.75),
@@ -53,18 +58,17 @@ def test_without_gold_hops_the_judge_labels_are_used_and_named():
     reward = torch.tensor([1.0, 0.0])
     # the critic calls every search of the success Good (s1 included) and both of the failure's Bad (s5 included)
     critic = torch.tensor([1.0, 1.0, 1.0, math.nan, 0.0, 0.0, math.nan])
-    m = credit_accuracy(batch, reward, episodes, [PLAIN, PLAIN], {"critic_label_S": critic}, credit)
+    m = accuracy(batch, reward, episodes, [PLAIN, PLAIN], {"critic_label_S": critic}, credit)
     # good {0.5 ×3} beat wasted {−0.3, 0.2}: AUC 1; no trajectory holds both; no wasted search in the success,
     # no good one in the failure
     assert m == {"credit/turn_auc/critic": 1.0}
-    assert credit_accuracy(batch, reward, episodes, [PLAIN, PLAIN], {}, credit) == {}  # no labels: no metric
+    assert accuracy(batch, reward, episodes, [PLAIN, PLAIN], {}, credit) == {}  # no labels: no metric
     # gold labels win over the judge's on the toy world
-    assert "credit/turn_auc" in credit_accuracy(batch, reward, episodes, [QUESTION, QUESTION],
-                                                {"critic_label_S": critic}, credit)
+    assert "credit/turn_auc" in accuracy(batch, reward, episodes, [QUESTION, QUESTION], {"critic_label_S": critic},
+                                         credit)
 
 
 def test_episodes_that_do_not_match_the_batch_are_an_error():
     episodes, batch = _rollout()
     with pytest.raises(ValueError, match="must align"):
-        credit_accuracy(batch, torch.tensor([1.0, 0.0]), episodes[:1], [QUESTION], {},
-                        CreditResult(adv_S=torch.zeros(7)))
+        turn_labels(batch, torch.tensor([1.0, 0.0]), episodes[:1], [QUESTION], {})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -50,6 +50,9 @@ class Engine(abc.ABC):
     # The policy version (updates done) of the weights loaded: the trainer's PhaseManager sets it after each weight
     # sync; every GenOutput carries it, every turn records it (TrajectoryBatch.seg_version_S).
     weights_version: int = 0
+    # Called before each scheduler step (a micro-batch of the HF engine, an engine step of vLLM) in the engine's
+    # own thread: a split placement's in-flight weight loads (rollout.partial) happen there.
+    between_steps: Optional[Callable[[], None]] = None
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -86,6 +89,10 @@ class Engine(abc.ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights, one tensor at a time, by HF parameter name."""
 
+    def load_between_steps(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights from inside :attr:`between_steps` (requests may be running; none is dropped)."""
+        self.update_weights(named_tensors)
+
     def close(self) -> None:
         pass
 
@@ -108,5 +115,7 @@ class Engine(abc.ABC):
         return (await batcher.submit([(list(prompt), params)]))[0]
 
     def _generate_items(self, items: list) -> list[GenOutput]:
+        if self.between_steps is not None:
+            self.between_steps()
         self.batches_run = getattr(self, "batches_run", []) + [len(items)]
         return self.generate([p for p, _ in items], [q for _, q in items])

@@ -68,14 +68,18 @@ class StepLoop:
     engine call, so sleep / wake / weight loads (which take it too) never run inside a step.
     """
 
-    def __init__(self, llm_engine, render: Callable, params: Callable, convert: Callable, device=None):
+    def __init__(self, llm_engine, render: Callable, params: Callable, convert: Callable, device=None,
+                 version: Callable[[], Optional[int]] = lambda: None):
         self._engine, self._render, self._params, self._convert = llm_engine, render, params, convert
+        self._version = version  # the weights' policy version a request starts with
+        # called in the driver thread before every scheduler step, under ``lock`` (in-flight weight loads)
+        self.between_steps: Optional[Callable[[], None]] = None
         self.device = device  # the engine's device, bound in the driver thread before its first step
         self.lock = threading.RLock()
         self._cv = threading.Condition()
         self._inbox: collections.deque = collections.deque()  # (request id, prompt, SamplingParams, settle)
         self._aborts: list[str] = []
-        self._inflight: dict = {}  # request id -> (SamplingParams, settle); the driver thread's own
+        self._inflight: dict = {}  # request id -> (SamplingParams, settle, version); the driver thread's own
         self._moving = 0  # taken from the inbox, not yet added to the engine
         self._ids = itertools.count()
         self._thread: Optional[threading.Thread] = None
@@ -134,7 +138,7 @@ class StepLoop:
             except Exception as e:  # this request alone: too long for the model, bad parameters, ...
                 settle(None, EngineError(f"vLLM rejected the request ({len(prompt)} prompt tokens): {e}"))
                 continue
-            self._inflight[rid] = (params, settle)
+            self._inflight[rid] = (params, settle, self._version())
 
     def _run(self) -> None:
         try:
@@ -146,20 +150,22 @@ class StepLoop:
                     if not self._inflight:
                         continue
                     self.max_running = max(self.max_running, len(self._inflight))
+                    if self.between_steps is not None:
+                        self.between_steps()
                     t = time.perf_counter()
                     outs = self._engine.step()
                     self.step_s += time.perf_counter() - t
                     self.steps += 1
                 for o in outs:
                     if o.finished and o.request_id in self._inflight:
-                        params, settle = self._inflight.pop(o.request_id)
-                        settle(self._convert(o.outputs[0], params), None)
+                        params, settle, version = self._inflight.pop(o.request_id)
+                        settle(self._convert(o.outputs[0], params, version), None)
         except BaseException as e:  # noqa: BLE001  (every waiting caller learns why, then the thread ends)
             self.dead = e
         err = EngineError(f"vLLM engine step failed: {self.dead!r}") if self.dead is not None else \
             EngineError("the vLLM engine was closed with requests in flight")
         with self._cv:
-            waiting = [s for *_, s in self._inbox] + [s for _, s in self._inflight.values()]
+            waiting = [s for *_, s in self._inbox] + [s for _, s, _ in self._inflight.values()]
             self._inbox.clear()
             self._inflight.clear()
         for settle in waiting:
@@ -199,6 +205,30 @@ def in_process_env(say: Callable[[str], None] = print) -> None:
 def under_torchrun() -> bool:
     """Whether this process is one rank of a torchrun job with several ranks."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def parallel_state_on_every_rank(rank: int, world_size: int, local_rank: int, device: torch.device,
+                                 engine_here: bool) -> None:
+    """For a job where only some ranks start an engine (a split placement): vLLM's process groups, made by every rank
+    together. An engine under torchrun makes them over the whole job (``new_group``: every rank must take part),
+    which the training ranks, which start none, never would; made here first, on every rank, the engines that start
+    later find them made. On the ranks with an engine (``engine_here``), the engine sizes its KV cache from its own
+    device's free memory: external_launcher's ``determine_available_memory`` takes the minimum over the whole job
+    (an all-reduce the training ranks would never join), meant for tensor-parallel replicas, which these are not."""
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher, UniProcExecutor
+
+    if engine_here:
+        # NOTE: a class attribute of vLLM's, set in this process only (a rollout rank of a split job)
+        ExecutorWithExternalLauncher.determine_available_memory = UniProcExecutor.determine_available_memory
+
+    # the parallel settings the engines get (engine_kwargs): one GPU each, external_launcher
+    config = VllmConfig(parallel_config=ParallelConfig(distributed_executor_backend="external_launcher"))
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size, rank, "env://", local_rank,
+                                     "nccl" if device.type == "cuda" else "gloo")
+        ensure_model_parallel_initialized(1, 1)
 
 
 def engine_kwargs(model_path: str, tokenizer_path: str, device: torch.device, rollout_cfg=None, max_batch: int = 256,
@@ -264,7 +294,8 @@ class VLLMEngine(Engine):
         self.weight_dtype = torch.bfloat16 if cuda else torch.float32
         self.sleep_supported = cuda
         self.llm = LLM(**kw)
-        self.driver = StepLoop(self.llm.llm_engine, self._render, self._params, self._convert, self.device)
+        self.driver = StepLoop(self.llm.llm_engine, self._render, self._params, self._convert, self.device,
+                               version=lambda: self.weights_version)
 
     @classmethod
     def from_module(cls, model, tokenizer, rollout_cfg=None, device="cpu") -> "VLLMEngine":
@@ -327,15 +358,15 @@ class VLLMEngine(Engine):
             self.driver.abort(rid)
             raise
 
-    def _convert(self, c, p: SamplingParams) -> GenOutput:
+    def _convert(self, c, p: SamplingParams, version: Optional[int] = None) -> GenOutput:
         ids = list(c.token_ids)
         lps = [float(step[t].logprob) for step, t in zip(c.logprobs, ids)] if p.logprobs and c.logprobs else None
         reason = c.finish_reason if c.finish_reason in ("stop", "length") else "stop"
         stop = c.stop_reason
         if reason == "stop" and stop is None and ids:
             stop = ids[-1]  # vLLM reports the tokenizer's own EOS without a reason
-        # weights change only while no request runs (_idle), so the version now is the one the request started with
-        return GenOutput(ids, lps, reason, stop, version=self.weights_version)
+        # the version the request started with: weights loaded in flight (load_between_steps) leave it as it was
+        return GenOutput(ids, lps, reason, stop, version=self.weights_version if version is None else version)
 
     def _idle(self, what: str):
         """The step lock, once no request is queued or running (weights and memory change under none)."""
@@ -366,6 +397,23 @@ class VLLMEngine(Engine):
             self.llm.collective_rpc("reload_weights",
                                     kwargs={"weights_iterator": tensors(), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
+
+    @property
+    def between_steps(self) -> Optional[Callable[[], None]]:
+        return self.driver.between_steps
+
+    @between_steps.setter
+    def between_steps(self, fn: Optional[Callable[[], None]]) -> None:
+        self.driver.between_steps = fn
+
+    def load_between_steps(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load weights from inside the driver thread, between two scheduler steps, requests still running: the
+        running requests are preempted and their KV recomputed with the new weights (vLLM's
+        ``reset_prefix_cache(reset_running_requests=True)``); none is dropped."""
+        dev = self.device
+        self.llm.collective_rpc("reload_weights", kwargs={
+            "weights_iterator": ((n, t.detach().to(dev)) for n, t in named_tensors), "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache(reset_running_requests=True)
 
     def close(self) -> None:
         self.driver.close()
