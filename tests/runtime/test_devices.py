@@ -56,7 +56,7 @@ class _FakeEngine:
 def test_vllm_step_driver_binds_the_engine_device(bound):
     from fastcredit.rollout.engines.vllm import StepLoop
 
-    loop = StepLoop(_FakeEngine(), render=lambda p: p, params=lambda p: p, convert=lambda o, p: o,
+    loop = StepLoop(_FakeEngine(), render=lambda p: p, params=lambda p: p, convert=lambda o, p, version: o,
                     device=torch.device("cuda", 3))
     got = []
     done = threading.Event()
@@ -64,6 +64,21 @@ def test_vllm_step_driver_binds_the_engine_device(bound):
     assert done.wait(10)
     loop.close()
     assert got == [("done", None)] and bound == {"vllm-steps": torch.device("cuda", 3)}
+
+
+def test_a_request_whose_output_cannot_be_read_fails_alone(bound):
+    from fastcredit.rollout.engines.vllm import EngineError, StepLoop
+
+    def convert(o, p, version):
+        raise ValueError("bad output")
+
+    loop = StepLoop(_FakeEngine(), render=lambda p: p, params=lambda p: p, convert=convert)
+    got = []
+    done = threading.Event()
+    loop.submit([1, 2], "params", lambda res, err: (got.append((res, err)), done.set()))
+    assert done.wait(10)
+    loop.close()
+    assert got[0][0] is None and isinstance(got[0][1], EngineError) and "bad output" in str(got[0][1])
 
 
 def test_micro_batcher_thread_takes_its_creators_device(bound, monkeypatch):

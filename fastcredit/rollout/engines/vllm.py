@@ -159,7 +159,12 @@ class StepLoop:
                 for o in outs:
                     if o.finished and o.request_id in self._inflight:
                         params, settle, version = self._inflight.pop(o.request_id)
-                        settle(self._convert(o.outputs[0], params, version), None)
+                        try:
+                            result = self._convert(o.outputs[0], params, version)
+                        except Exception as e:  # this request alone; its caller must not wait for ever
+                            settle(None, EngineError(f"reading vLLM's output failed: {e!r}"))
+                            continue
+                        settle(result, None)
         except BaseException as e:  # noqa: BLE001  (every waiting caller learns why, then the thread ends)
             self.dead = e
         err = EngineError(f"vLLM engine step failed: {self.dead!r}") if self.dead is not None else \
