@@ -56,13 +56,15 @@ def ledger(out) -> list:
     return [json.loads(line) for line in open(os.path.join(out, "trained.jsonl"))]
 
 
-def check_ledger(out, steps: int, bound: int) -> None:
+def check_ledger(out, steps: int, bound: int, n_train=None) -> None:
     """Every step trained once, in order, on the prompts the shared prompt order gives it, all its trajectories,
-    no turn older than ``bound`` versions."""
+    no turn older than ``bound`` versions. ``n_train``: training questions (default: the file's world's)."""
     rows = ledger(out)
     assert [r["step"] for r in rows] == list(range(steps))
-    with open(os.path.join(WORLD["dir"], "train.jsonl")) as f:
-        n = sum(1 for line in f if line.strip())
+    n = n_train
+    if n is None:
+        with open(os.path.join(WORLD["dir"], "train.jsonl")) as f:
+            n = sum(1 for line in f if line.strip())
     order = PromptSampler(n, 0)
     for r in rows:
         assert r["prompts"] == order.take(4)  # debug.yaml: 4 prompts a step, 2 samples each
@@ -88,13 +90,23 @@ def test_staleness_zero_trains_what_colocated_trains(tmp_path):
 
 def test_two_rollout_ranks_two_steps_ahead_with_partial_rollouts_and_the_critic_switch(tmp_path):
     """One training rank fed by two rollout ranks (their index sharded between them, their batches merged), k = 2,
-    weights loaded in flight, CriticSearch's critic switched into the rollout engines, evaluation every 2 steps."""
-    out = str(tmp_path / "run")
+    weights loaded in flight, CriticSearch's frozen critic (a policy-shaped model) switched into the rollout engines
+    and the policy's newest weights back, evaluation every 2 steps."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from gpu_check import random_policy
+
+    models, out = str(tmp_path / "models"), str(tmp_path / "run")
+    policy, critic = random_policy(models, False, "policy", 0), random_policy(models, False, "critic", 1)
     proc = run(out, *SPLIT, "distributed.rollout_ranks=2", "rollout.max_staleness=2", "rollout.partial=true",
-               "credit.estimator=criticsearch", "judges.backend=oracle", "optim.total_steps=4", "eval.every=2",
+               f"model.policy={policy}", "credit.estimator=criticsearch", "credit.reward=criticsearch",
+               "judges.backend=colocated", f"judges.model={critic}", "judges.max_tokens=64", "optim.total_steps=4",
+               "eval.every=2", f"data.world_dir={models}/world",
                launcher=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"))
-    check_ledger(out, 4, 2)
+    with open(os.path.join(models, "world", "train.jsonl")) as f:  # this test's own world
+        n_train = sum(1 for line in f if line.strip())
+    check_ledger(out, 4, 2, n_train=n_train)
     rows = step_rows(out)
+    assert all(r["time/colocate/switch_to_critic"] > 0 and r["time/colocate/sync_weights"] > 0 for r in rows.values())
     assert max(r["offpolicy/version_lag_max"] for r in rows.values()) >= 1  # the rollout ran ahead
     stale = [r for r in rows.values() if r["offpolicy/version_lag_max"] > 0]
     assert all(r["offpolicy/stale_token_frac"] > 0 and r["offpolicy/behaviour_weight_mean"] > 0 for r in stale)

@@ -341,7 +341,9 @@ def main(argv: Optional[list] = None) -> int:
             return 1
     from fastcredit.compare.report import write_report
 
-    name = os.path.splitext(os.path.basename(args.config))[0] + ("_quick" if args.quick else "")
+    # a comparison with split-placement variants is a report of its own, beside the preset's
+    name = os.path.splitext(os.path.basename(args.config))[0] + ("_quick" if args.quick else "") + \
+        ("_split" if args.staleness else "")
     labels = [label for label, _ in variants(args.methods, args.noise, args.staleness)]
     setting = f"{args.jobs} runs side by side" if args.jobs > 1 else ""
     paths = write_report(args.runs, labels, args.out, name, args.threshold, setting)
