@@ -170,7 +170,8 @@ class Mailbox:
 
 
 class WeightInbox:
-    """The policy versions the training rank streams, received on a thread (``recv_weights``) as they come.
+    """The policy versions the training rank streams, received on a thread (``recv_weights``) as they come, kept
+    in host memory until an engine loads them.
 
     ``count``: the streams to expect. :meth:`take` hands over the newest version received up to a
     limit (older ones it skips are dropped), waiting for one when asked to."""
@@ -194,7 +195,9 @@ class WeightInbox:
             bind_thread(device)
             for _ in range(count):
                 version, it = self._recv(src, group, device)
-                named = [(n, t) for n, t in it]
+                # into host memory as each bucket arrives: the GPU holds the engine's copy only (a CUDA bucket is
+                # freed once read); engines load from the host, as colocated training's sync does
+                named = [(n, t.to("cpu")) for n, t in it]
                 with self._cv:
                     self._pending.append((version, named))
                     self.received += 1

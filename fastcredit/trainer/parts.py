@@ -123,8 +123,8 @@ def build_models(cfg: TrainConfig, info, lm, tokenizer, out_dir: str,
         else EngineStart()
     ref = FrozenModel(PolicyModel(frozen_copy(lm, dtype), impl), info) \
         if cfg.loss.kl_coef or cfg.credit.kl_in_reward else None
-    if ref is not None and cfg.distributed.colocate and info.device.type == "cuda":
-        ref.offload()  # on the GPU only for its passes (PhaseManager.using)
+    if ref is not None and engine and cfg.distributed.colocate and info.device.type == "cuda":
+        ref.offload()  # on the GPU only for its passes (PhaseManager.using); a split placement's stays there
     # copied before the policy's engine shards lm (ZeRO-3 leaves empty placeholders behind)
     value_lm = frozen_copy(lm).requires_grad_(True).train() if estimator_needs(cfg.credit.estimator).value_model \
         else None

@@ -273,6 +273,9 @@ class RolloutWorker:
                 got.metrics.update({f"time/{name}": v for name, v in self.timer.reset().items()})
                 got.metrics.update({f"time/colocate/{k}": v for k, v in self.parts.phases.take_timings().items()})
                 got.metrics["split/inflight_loads"] = float(self.inflight_loads)
+                # host tensors only: a pickled CUDA tensor would land on the same device index on the training rank
+                got.extras = {k: v.cpu() if torch.is_tensor(v) else v for k, v in got.extras.items()}
+                got.reward_B = got.reward_B.cpu()
                 self.inflight_loads = 0
                 send_object({"step": step, "collected": got, "sampler": self.sampler.state(), "evals": self.evals,
                              "busy_s": time.perf_counter() - t0, "waited_s": self.waited_s}, dst, group)
