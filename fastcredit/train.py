@@ -174,6 +174,9 @@ def memory_report(cfg, opts: dict) -> int:
         print(f"memory report: {exc}", file=sys.stderr)
         return 2
     plan.notes.insert(0, f"GPUs: {gpus} ({where}), {plan.host.ranks_per_node} per node ({node_where})")
+    if cfg.distributed.placement == "split":
+        plan.notes.insert(1, "distributed.placement=split is planned as colocated ranks: an upper bound, since a "
+                             "split job's training ranks hold no engine and its rollout ranks no training state")
     print(memory.format_plan(plan))
     return 0 if plan.ok else 2
 

@@ -214,6 +214,12 @@ def test_impossible_config_reports_and_exits_2(capsys):
     assert rc == 0 and "problems: none" in out and "fits" in out and "OVER" not in out
 
 
+def test_a_split_placement_is_planned_as_colocated_and_says_so(capsys):
+    assert main(["--config", CRITIC, "--memory-report", "--gpu-gib", "80", "--gpus", "8",
+                 "distributed.placement=split"]) in (0, 2)
+    assert "distributed.placement=split is planned as colocated ranks: an upper bound" in capsys.readouterr().out
+
+
 def test_report_flags_are_checked(capsys):
     assert main(["--config", CRITIC, "--gpu-gib", "80"]) == 2
     assert "only apply with --memory-report" in capsys.readouterr().err
