@@ -277,15 +277,16 @@ def loads_on_rank0(cfg: TrainConfig, info) -> bool:
         and cfg.model.policy != "tiny"
 
 
-def load_policy(cfg: TrainConfig, tokenizer, info=None) -> torch.nn.Module:
+def load_policy(cfg: TrainConfig, tokenizer, info=None, meta: bool = False) -> torch.nn.Module:
     """The policy's HF causal LM in float32 on the CPU: the master weights the training engine shards onto the
     device (``model.dtype`` is the compute dtype there, not the storage dtype). Under :func:`loads_on_rank0`,
-    ranks other than 0 get the same model on the meta device (no memory)."""
+    ranks other than 0 get the same model on the meta device (no memory); so does ``meta`` (a policy read from
+    files, whose weights come from elsewhere: a split placement's vLLM rollout ranks need its architecture only)."""
     check_paths(cfg, "model")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     m = cfg.model
-    if loads_on_rank0(cfg, info) and info.rank != 0:
+    if m.policy != "tiny" and (meta or (loads_on_rank0(cfg, info) and info.rank != 0)):
         folder, gguf = smollm2_files() if m.policy == "smollm2" else (m.policy, None)
         config = AutoConfig.from_pretrained(folder, local_files_only=True, **({"gguf_file": gguf} if gguf else {}))
         with torch.device("meta"):

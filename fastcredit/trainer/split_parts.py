@@ -76,7 +76,8 @@ def build_rollout_parts(cfg: TrainConfig, layout, out_dir: str, say: Callable[[s
     tokenizer = load_tokenizer(cfg, data, out_dir, layout.global_rank)
     # retrieval.across_ranks=shard: the index split over the rollout ranks, searched in rounds among them
     searcher, retriever = make_searcher(cfg, tokenizer, data.corpus, progress=False, device=info.device, info=info)
-    lm = load_policy(cfg, tokenizer, None)  # the architecture; the training rank streams the weights
+    # the architecture; the training rank streams the weights (vLLM: not even read from the files)
+    lm = load_policy(cfg, tokenizer, None, meta=cfg.rollout.engine == "vllm")
     dtype = compute_dtype(cfg.distributed, info, cfg.model.dtype)
     if cfg.rollout.engine == "hf":
         start = EngineStart(lm=frozen_copy(lm, dtype))
