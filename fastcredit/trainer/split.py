@@ -271,10 +271,10 @@ class RolloutWorker:
                 got = collect(self.parts, cfg, self.info, self.timer, self.sampler, step,
                               between_steps=self._load_in_flight if cfg.rollout.partial else None)
                 got.metrics.update({f"time/{name}": v for name, v in self.timer.reset().items()})
-                got.metrics.update({f"time/colocate/{k}": v for k, v in self.parts.phases.take_timings().items()})
+                got.metrics.update({f"time/colocate/{key}": v for key, v in self.parts.phases.take_timings().items()})
                 got.metrics["split/inflight_loads"] = float(self.inflight_loads)
                 # host tensors only: a pickled CUDA tensor would land on the same device index on the training rank
-                got.extras = {k: v.cpu() if torch.is_tensor(v) else v for k, v in got.extras.items()}
+                got.extras = {key: v.cpu() if torch.is_tensor(v) else v for key, v in got.extras.items()}
                 got.reward_B = got.reward_B.cpu()
                 self.inflight_loads = 0
                 send_object({"step": step, "collected": got, "sampler": self.sampler.state(), "evals": self.evals,
