@@ -34,7 +34,7 @@ from fastcredit.distributed.process_group import max_over_ranks
 from fastcredit.distributed.split import Mailbox, SplitError, WeightInbox, send_object
 from fastcredit.runtime.files import seed_everything
 from fastcredit.runtime.profiling import PhaseTimer
-from fastcredit.trainer.loop import CollapseError, Trainer, evaluate_heldout
+from fastcredit.trainer.loop import CollapseError, Trainer, eval_line, evaluate_heldout
 from fastcredit.trainer.step import Collected, collect, learn, step_metrics
 
 LEDGER = "trained.jsonl"
@@ -117,7 +117,7 @@ class SplitTrainer(Trainer):
             self.evals[version] = scores
             if version != self.cfg.optim.total_steps and scores:  # the last: fit logs it
                 when = "before training" if version == 0 else f"after {version} steps"
-                self.say(f"held-out EM {when} (rollout ranks): {_eval_line(scores)}")
+                self.say(f"held-out EM {when} (rollout ranks): {eval_line(scores)}")
                 self.logger.log(version, scores, console=False)
 
     def train_step(self) -> dict:
@@ -167,7 +167,7 @@ class SplitTrainer(Trainer):
         if not self.info.is_main or not os.path.exists(path):
             return
         with open(path) as f:
-            rows = [line for line in f if line.strip() and _complete(line) and json.loads(line)["step"] < self.step]
+            rows = [line for line in f if (_row(line) or {}).get("step", self.step) < self.step]
         with open(path + ".tmp", "w") as f:
             f.writelines(rows)
         os.replace(path + ".tmp", path)
@@ -291,15 +291,9 @@ def _span(ranks: list) -> str:
     return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
 
 
-def _complete(line: str) -> bool:
+def _row(line: str):
+    """A ledger line's row, or None for a blank or torn line (a crash mid-write)."""
     try:
-        json.loads(line)
-        return True
+        return json.loads(line)
     except ValueError:
-        return False
-
-
-def _eval_line(scores: dict) -> str:
-    from fastcredit.trainer.loop import eval_line
-
-    return eval_line(scores)
+        return None
