@@ -47,7 +47,7 @@ from typing import List, Optional
 
 import numpy as np
 import torch
-from results_io import device_name, write_results
+from results_io import child_env, device_name, write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -207,7 +207,7 @@ def free_port() -> int:
 
 
 def start_server(cmd: list, url: str, log_path: str, timeout_s: float = 300.0) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"}
+    env = child_env(ROOT, HF_HUB_OFFLINE="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"), env=env)
     body = json.dumps({"queries": ["warm up"], "topk": 1}).encode()
     deadline = time.time() + timeout_s

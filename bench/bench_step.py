@@ -40,7 +40,7 @@ import urllib.request
 
 import torch
 
-from results_io import device_name, write_results
+from results_io import child_env, device_name, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DESIGN = os.path.join(ROOT, "configs", "searchr1_design.yaml")
@@ -88,7 +88,7 @@ class RetrievalServer:
         self.proc = subprocess.Popen([sys.executable, "-m", "fastcredit.retrieval.serve", "--corpus", corpus,
                                       "--encoder", encoder, "--port", str(self.port), *big], cwd=ROOT,
                                      stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": ROOT})
+                                     env=child_env(ROOT))
 
     def wait(self, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s

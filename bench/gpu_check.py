@@ -301,10 +301,10 @@ def _packed_forward(out: str, cuda: bool) -> list:
 
 def _run_bench(out: str, script: str, args: list, log: str, timeout: int) -> int:
     """``bench/<script> --out OUT args`` with the bench folder importable; its output goes to ``OUT/<log>``."""
+    from results_io import child_env  # here, not at the top: `env` runs before fastcredit is installed
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--out", out, *args],
                           capture_output=True, text=True, cwd=ROOT, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              [ROOT, os.path.join(ROOT, "bench"), *filter(None, [os.environ.get("PYTHONPATH")])])})
+                          env=child_env(ROOT, os.path.join(ROOT, "bench")))
     with open(os.path.join(out, log), "w") as f:
         f.write(proc.stdout + proc.stderr)
     return proc.returncode

@@ -20,6 +20,13 @@ def write_results(op: str, report: dict, out_dir: str = RESULTS_DIR) -> str:
     return path
 
 
+def child_env(*paths: str, **extra: str) -> dict:
+    """This process's environment for a child, with ``paths`` put before any ``PYTHONPATH`` already set (never in
+    its place: on a lent GPU machine's bare image the packages carried in, faiss and the encoder, live there)."""
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, **extra, "PYTHONPATH": os.pathsep.join([*paths, *kept])}
+
+
 if __name__ == "__main__":  # `python bench/results_io.py --slug`: this machine's device, as results files name it
     import sys
 

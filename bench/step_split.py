@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from results_io import child_env
+
 def run_one(name: str, config: str, overrides: list, work: str, steps: int, warmup: int, root: str) -> dict:
     """``warmup + steps`` steps under torchrun (2 ranks, 1 thread each); the timed steps' metrics rows."""
     out = os.path.join(work, name)
@@ -31,7 +33,7 @@ def run_one(name: str, config: str, overrides: list, work: str, steps: int, warm
     print(f"[{name}] {warmup} warm-up + {steps} timed steps", flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root})
+                          env=child_env(root, OMP_NUM_THREADS="1"))
     if proc.returncode != 0:
         raise SystemExit(f"[{name}] failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"time/step"' in line]

@@ -36,6 +36,20 @@ def test_the_table_partitions_the_step_and_takes_medians():
     assert "judge" not in table and "values" not in table  # phases no design ran are left out
 
 
+def test_child_processes_keep_the_inherited_pythonpath(monkeypatch):
+    """The first H100 run: the Search-R1 design's /retrieve server got PYTHONPATH=<repo> and lost the packages
+    carried onto the bare image (faiss, the encoder), which lived on the inherited path."""
+    from results_io import child_env
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/carried/site", "/more"]))
+    monkeypatch.setenv("FASTCREDIT_TEST_KEPT", "yes")
+    env = child_env(ROOT, "/bench", OMP_NUM_THREADS="1")
+    assert env["PYTHONPATH"].split(os.pathsep) == [ROOT, "/bench", "/carried/site", "/more"]
+    assert env["OMP_NUM_THREADS"] == "1" and env["FASTCREDIT_TEST_KEPT"] == "yes"
+    monkeypatch.delenv("PYTHONPATH")
+    assert child_env(ROOT)["PYTHONPATH"] == ROOT
+
+
 def test_shapes_come_from_the_memory_presets():
     got = dict(o.split("=") for o in shape_overrides("Qwen2.5-0.5B"))
     assert got == {"model.tiny_hidden": "896", "model.tiny_layers": "24", "model.tiny_heads": "14",

@@ -24,10 +24,15 @@ Device = Union[str, torch.device, None]
 
 
 def _cuda(device: Device) -> Optional[torch.device]:
+    """``device`` as a CUDA device with its index, None for a CPU device or None. A bare ``cuda`` (no index, which
+    ``torch.cuda.set_device`` refuses) is the calling thread's current device: resolve it in the thread that
+    chose it, as the helpers below do when they are made, not in the new thread (which starts on device 0)."""
     if device is None:
         return None
     d = torch.device(device)
-    return d if d.type == "cuda" else None
+    if d.type != "cuda":
+        return None
+    return d if d.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def bind_thread(device: Device) -> None:
@@ -45,12 +50,13 @@ def current_device() -> Optional[torch.device]:
 def device_executor(device: Device, name: str, workers: int = 1) -> concurrent.futures.ThreadPoolExecutor:
     """A thread pool whose threads start bound to ``device`` (e.g. :func:`current_device` of its creator)."""
     return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=bind_thread,
-                                                 initargs=(device,))
+                                                 initargs=(_cuda(device),))
 
 
 def on_device(device: Device, fn: Callable) -> Callable:
     """``fn`` wrapped to bind its thread to ``device`` first (for ``asyncio.to_thread`` and other pools)."""
-    if _cuda(device) is None:
+    device = _cuda(device)
+    if device is None:
         return fn
 
     @functools.wraps(fn)

@@ -88,9 +88,13 @@ def sft_train(model, seqs: list[tuple[list[int], list[int]]], pad_id: int, epoch
               batch_size: int = 16, seed: int = 0, device: str = "cpu", progress: bool = True,
               on_epoch: Optional[Callable[[int, float], None]] = None) -> list[float]:
     """Cross-entropy on the labelled tokens; AdamW with a cosine decay. Returns the mean loss per epoch;
-    ``on_epoch(epoch, mean loss)`` is called after each (a status line where no progress bar shows)."""
+    ``on_epoch(epoch, mean loss)`` is called after each (a status line where no progress bar shows).
+
+    The model is moved to ``device`` and left there (the policy is read onto the CPU, and training it there while
+    the batches go to a GPU was the warm start's first GPU failure); a caller that wants it back moves it."""
     from tqdm import tqdm
 
+    model.to(device)
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     steps = epochs * math.ceil(len(seqs) / batch_size)

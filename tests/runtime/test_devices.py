@@ -35,6 +35,21 @@ def test_helpers_bind_cuda_and_ignore_cpu(bound):
     assert devices.on_device("cpu", len) is len
 
 
+def test_a_bare_cuda_device_is_the_creators_current_one(bound, monkeypatch):
+    """``torch.device("cuda")`` has no index, which set_device refuses (the first H100 run's rollout benchmark:
+    "Expected a torch.device with a specified index"); the pool binds the device current where it was made."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    pool = devices.device_executor(torch.device("cuda"), "bare")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # a new thread's own current device
+    name = pool.submit(lambda: threading.current_thread().name).result()
+    pool.shutdown()
+    assert bound == {name: torch.device("cuda", 2)}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 4)
+    wrapped = devices.on_device("cuda", lambda: threading.current_thread().name)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert bound[asyncio.run(asyncio.to_thread(wrapped))] == torch.device("cuda", 4)
+
+
 class _FakeEngine:
     """vLLM's LLMEngine as the step driver uses it: one request finishing at its first step."""
 

@@ -89,6 +89,18 @@ def test_warm_start_lowers_the_loss_and_leaves_no_gradients(world, tokenizer):
     assert not lm.training and all(p.grad is None for p in lm.parameters())
 
 
+@pytest.mark.gpu
+def test_warm_start_trains_a_policy_read_onto_the_cpu_on_the_gpu(world, tokenizer):
+    """The trainer reads the policy onto the CPU and warm-starts it on its device (the first GPU run's failure:
+    batches on cuda, embedding on the CPU)."""
+    lm = build_tiny_policy(tokenizer, hidden=32, layers=2, heads=2, seed=0)
+    qs = world.questions[:16]
+    observe = lambda query: tokenizer(f"<information>{query}</information>", add_special_tokens=False)["input_ids"]  # noqa: E731
+    seqs = sft_sequences(qs, [tokenizer(q.question)["input_ids"] for q in qs], tokenizer, observe)
+    losses = sft_train(lm, seqs, pad_id=0, epochs=2, lr=1e-2, batch_size=8, device="cuda", progress=False)
+    assert len(losses) == 2 and all(p.device.type == "cuda" for p in lm.parameters())
+
+
 def test_cached_warm_start_is_made_once_and_keyed_by_its_own_seed(tmp_path):
     from fastcredit.config import load_config
     from fastcredit.trainer.sft import cached_warm_start, warm_start_fingerprint
