@@ -1,6 +1,6 @@
 """The ``ranks`` stage of ``make gpu-check``: the trainer under torchrun on every visible GPU, two steps in bf16.
 
-    python bench/gpu_check_ranks.py OUT       # stage_ranks.json, ranks.json, ranks_train.log
+    python bench/gpu_check_ranks.py OUT       # stage_ranks.json, ranks.json, ranks_train.log, ranks_offload_train.log
 
 Defects that only show with several ranks (an engine on the wrong GPU, a thread launching
 on device 0, a collective on a CPU tensor under NCCL) are caught here: the run must finish
@@ -8,7 +8,8 @@ its two steps, and ``nvidia-smi`` sampled while it runs must show the trainer's 
 as many distinct GPUs as there are ranks (vLLM's memory counts under the trainer's own
 process: its engine runs inside it). The policy is a random Qwen2 saved as an HF folder, so
 the policy is read on rank 0 only (the other ranks build it on the meta device). vLLM is used
-where it imports, else the HF engine. With fewer than two GPUs the stage is "not run".
+where it imports, else the HF engine. A second run adds FSDP2's CPU offload and a warm start (rank 0 alone
+trains it). With fewer than two GPUs the stage is "not run".
 """
 from __future__ import annotations
 
@@ -55,25 +56,24 @@ def _descendants(pid: int) -> set:
     return out
 
 
-def stage_ranks(out: str) -> None:
-    import torch
+# Each run: (name, extra overrides). "offload": FSDP2's CPU offload (rank 0's buffers stay on its GPU, the other
+# ranks' shards are allocated on the host) and a warm start, which rank 0 alone trains (the others hold meta weights).
+RUNS = (("ranks", []), ("ranks_offload", ["distributed.cpu_offload=true", "warmstart.enabled=true",
+                                          "warmstart.epochs=1"]))
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count < 2:
-        record(out, "ranks", "not run", f"needs 2 or more GPUs ({count} visible)")
-        return
-    engine = "vllm" if importlib.util.find_spec("vllm") else "hf"
+
+def _train(out: str, name: str, extra: list, count: int, engine: str, policy: str) -> tuple[dict, list]:
+    """One two-step torchrun over ``count`` GPUs: (its ranks.json entry, the problems found)."""
     work = os.path.join(out, "work")
-    policy = random_policy(work, True, "ranks_policy", seed=2)
-    run = os.path.join(work, "train_ranks")
+    run = os.path.join(work, f"train_{name}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={count}",
            "-m", "fastcredit.train", "--config", os.path.join(ROOT, "configs", "debug.yaml"),
            f"logging.output_dir={run}", f"data.world_dir={work}/world", f"model.policy={policy}",
            "model.dtype=bfloat16", "distributed.mixed_precision=true", f"rollout.engine={engine}",
            f"optim.batch_prompts={2 * count}", f"optim.mini_batch_prompts={count}", *TRAIN_OVERRIDES,
-           "optim.total_steps=2"]
+           "optim.total_steps=2", *extra]
     t0, seen, stop = time.time(), {}, threading.Event()
-    with open(os.path.join(out, "ranks_train.log"), "w") as log:
+    with open(os.path.join(out, f"{name}_train.log"), "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         sampler = threading.Thread(target=_sample_gpus, args=(lambda: _descendants(proc.pid), stop, seen), daemon=True)
         sampler.start()
@@ -87,19 +87,36 @@ def stage_ranks(out: str) -> None:
     steps = []
     if os.path.exists(os.path.join(run, "metrics.jsonl")):
         steps = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if '"time/step"' in line]
-    result = {"ranks": count, "engine": engine, "exit": rc, "wall_s": time.time() - t0, "steps": len(steps),
-              "gpus_used_mib": seen, "step_s": [s.get("time/step") for s in steps]}
-    with open(os.path.join(out, "ranks.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    result = {"ranks": count, "engine": engine, "overrides": extra, "exit": rc, "wall_s": time.time() - t0,
+              "steps": len(steps), "gpus_used_mib": seen, "step_s": [s.get("time/step") for s in steps]}
     problems = []
     if rc != 0:
-        problems.append(f"torchrun exit {rc}, see ranks_train.log")
+        problems.append(f"{name}: torchrun exit {rc}, see {name}_train.log")
     if len(steps) != 2:
-        problems.append(f"{len(steps)} of 2 steps logged")
+        problems.append(f"{name}: {len(steps)} of 2 steps logged")
     if len(seen) != count:
-        problems.append(f"the run's processes used {len(seen)} distinct GPUs, expected {count} (one per rank)")
+        problems.append(f"{name}: the run's processes used {len(seen)} distinct GPUs, expected {count} (one per rank)")
+    return result, problems
+
+
+def stage_ranks(out: str) -> None:
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < 2:
+        record(out, "ranks", "not run", f"needs 2 or more GPUs ({count} visible)")
+        return
+    engine = "vllm" if importlib.util.find_spec("vllm") else "hf"
+    policy = random_policy(os.path.join(out, "work"), True, "ranks_policy", seed=2)
+    results, problems = {}, []
+    for name, extra in RUNS:
+        results[name], found = _train(out, name, extra, count, engine, policy)
+        problems += found
+    with open(os.path.join(out, "ranks.json"), "w") as f:
+        json.dump(results, f, indent=1)
     record(out, "ranks", "failed" if problems else "passed",
-           "; ".join(problems) or f"{count} ranks ({engine}), {len(seen)} GPUs used, 2 steps")
+           "; ".join(problems) or f"{count} ranks ({engine}), every rank on its own GPU, 2 steps each: "
+           + ", ".join(name for name, _ in RUNS))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import time
 
 from results_io import child_env
 
+
 def run_one(name: str, config: str, overrides: list, work: str, steps: int, warmup: int, root: str) -> dict:
     """``warmup + steps`` steps under torchrun (2 ranks, 1 thread each); the timed steps' metrics rows."""
     out = os.path.join(work, name)

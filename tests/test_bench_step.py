@@ -37,7 +37,7 @@ def test_the_table_partitions_the_step_and_takes_medians():
 
 
 def test_child_processes_keep_the_inherited_pythonpath(monkeypatch):
-    """The first H100 run: the Search-R1 design's /retrieve server got PYTHONPATH=<repo> and lost the packages
+    """The H100 run: the Search-R1 design's /retrieve server got PYTHONPATH=<repo> and lost the packages
     carried onto the bare image (faiss, the encoder), which lived on the inherited path."""
     from results_io import child_env
 

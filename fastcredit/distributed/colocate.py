@@ -53,7 +53,9 @@ class PhaseManager:
     critic of the policy's architecture (``tensors()`` → ``(HF name, tensor)`` from pinned host
     memory) that the judge phase loads into the policy's own engine; ``judge_engine``: a
     critic with an engine of its own (the HF engine only; a second vLLM sleep-mode engine in
-    this process is refused when the judge is built). ``move_state``: whether offload /
+    this process is refused when the judge is built). ``judge_in_rollout``: that engine answers during the
+    rollout too (ProCeed's critic, between the policy's turns), so the rollout phase wakes it instead of putting it
+    to sleep (the HF engine's sleep moves its model to the host). ``move_state``: whether offload /
     reload run (default: colocated on CUDA; on the CPU there is nothing to free).
     ``timings`` collects the seconds of each switch, sync and move since the last ``take_timings()``.
     """
@@ -62,11 +64,12 @@ class PhaseManager:
                  device: torch.device = torch.device("cpu"), policy_sleep_level: int = 2,
                  judge_sleep_level: int = 1, colocate: bool = True,
                  sync_fn: Optional[Callable[[object], None]] = None, log: Optional[Callable[[str, dict], None]] = None,
-                 judge_weights=None, train_on_device: bool = True, move_state: Optional[bool] = None):
+                 judge_weights=None, train_on_device: bool = True, move_state: Optional[bool] = None,
+                 judge_in_rollout: bool = False):
         if judge_engine is not None and judge_weights is not None:
             raise ValueError("a judge either has its own engine or switches its weights into the policy's, not both")
         self.policy, self.judge_engine, self.train_state = policy_engine, judge_engine, list(train_state)
-        self.judge_weights = judge_weights
+        self.judge_weights, self.judge_in_rollout = judge_weights, judge_in_rollout
         self.device, self.colocate = device, colocate
         self.move_state = colocate and device.type == "cuda" if move_state is None else move_state
         self.policy_level, self.judge_level = policy_sleep_level, judge_sleep_level
@@ -140,7 +143,8 @@ class PhaseManager:
         training device, *then* offload the training state, then wake the KV cache, so the
         weights and the KV cache never coexist with the training state.
         """
-        self._sleep("judge")
+        if not self.judge_in_rollout:
+            self._sleep("judge")
         if self.stale_weights and weights is not None and self.sync_fn is not None:
             self._train_state_to("device")  # the shards are read where they live (NCCL cannot gather CPU shards)
             if not self.awake["policy"]:
@@ -157,6 +161,9 @@ class PhaseManager:
             if not self.awake["policy"]:
                 self._wake(self.policy, None)
         self.awake["policy"] = True
+        if self.judge_in_rollout and self.judge_engine is not None and not self.awake["judge"]:
+            self._wake(self.judge_engine, None)  # after the offload: its weights never meet the training state
+            self.awake["judge"] = True
         self._record("rollout:start")
         try:
             yield

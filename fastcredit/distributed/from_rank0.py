@@ -48,13 +48,17 @@ def load_from_rank0(model: nn.Module, full: dict, info: DistInfo, device: torch.
     """Fill a ``fully_shard``-ed model from rank 0's full state dict (``full``; ``{}`` on other ranks).
 
     Ranks with meta parameters allocate their shards on ``device`` first (uninitialised; the CPU
-    with parameter offload); ``set_model_state_dict`` then broadcasts each tensor from rank 0 and
-    keeps each rank's shard.
+    with parameter offload) and their buffers on ``info.device``, where ``fully_shard`` moved rank 0's whatever
+    the offload policy (``_move_states_to_device``: with offload on a GPU, rank 0's buffers are on the GPU while
+    ``device`` is the CPU, and a buffer's broadcast would be NCCL on rank 0 and gloo on the others);
+    ``set_model_state_dict`` then broadcasts each tensor from rank 0 and keeps each rank's shard.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     if has_meta(model):
         model.to_empty(device=device)
+        for buf in model.buffers():
+            buf.data = buf.data.to(info.device)
     # NOTE: set_model_state_dict consumes the dict it is given: pass a copy, the caller's stays whole
     set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True,
                                                                      broadcast_from_rank0=True))

@@ -72,6 +72,7 @@ def build_parts(cfg: TrainConfig, info, out_dir: str, say: Callable[[str], None]
     """Every part of the run on this rank (``info``: its DistInfo), in this order (the seeded generators are
     drawn from in it: reordering changes the run). ``out_dir``: the run folder; ``say``: rank 0's console."""
     from fastcredit.distributed.colocate import PhaseManager
+    from fastcredit.distributed.from_rank0 import has_meta
     from fastcredit.judges.phase import build_judge_phase, build_proceed_hook, make_backend
 
     data = load_data(cfg, info.rank)
@@ -80,8 +81,9 @@ def build_parts(cfg: TrainConfig, info, out_dir: str, say: Callable[[str], None]
                                         device=info.device, info=info)
     lm = load_policy(cfg, tokenizer, info)  # meta on ranks other than 0 (loads_on_rank0)
     if cfg.warmstart.enabled:
-        warm_start(lm, cfg, data, tokenizer, searcher, info, say)
-        lm.cpu()
+        warm_start(lm, cfg, data, tokenizer, searcher, info, say)  # on the device (sft_train moves it there)
+        if not has_meta(lm):  # the master weights go back to the host; a meta rank's have no data to move
+            lm.cpu()
     policy, value, ref, start = build_models(cfg, info, lm, tokenizer, out_dir)
     train_state = [policy] + ([value] if value is not None else [])
     engine, offloaded = make_rollout_engine(cfg, info, tokenizer, start, train_state, say)
@@ -98,7 +100,7 @@ def build_parts(cfg: TrainConfig, info, out_dir: str, say: Callable[[str], None]
                           cfg.judges.sleep_level, cfg.distributed.colocate,
                           sync_fn=lambda trained: engine.update_weights(trained.full_state(engine.weight_dtype)),
                           log=log_memory, judge_weights=getattr(backend, "weights", None),
-                          train_on_device=not offloaded)
+                          train_on_device=not offloaded, judge_in_rollout=cfg.rollout.proceed.enabled)
     if start.load_format == "dummy":
         phases.mark_updated()  # the engine started without weights: the first rollout streams them in
     return Parts(data, tokenizer, searcher, retriever, policy, value, ref, engine, proceed_hook, judges, phases,
@@ -144,6 +146,7 @@ def warm_start(lm, cfg: TrainConfig, data: Data, tokenizer, searcher, info, say:
     ``warmstart.cache_dir`` a warm start of the same config is loaded instead of redone (``sft.cached_warm_start``)."""
     from fastcredit.data.detours import choose_detours, planned_queries
     from fastcredit.data.toyqa import oracle_actions
+    from fastcredit.distributed.from_rank0 import has_meta
     from fastcredit.trainer.sft import cached_warm_start, sft_sequences, sft_train, warm_start_fingerprint
 
     w = cfg.warmstart
@@ -156,7 +159,9 @@ def warm_start(lm, cfg: TrainConfig, data: Data, tokenizer, searcher, info, say:
         t0 = time.time()
         plan = detour_plan(cfg, examples, seed)
         queries = sorted({h["query"] for ex in examples for h in ex.metadata["hops"]} | set(planned_queries(plan)))
-        found = dict(zip(queries, searcher(queries)))
+        found = dict(zip(queries, searcher(queries)))  # on every rank: the searcher may be split over the ranks
+        if has_meta(lm):  # loads_on_rank0: rank 0 warm-starts the weights every rank is filled from
+            return "warm start: on rank 0"
         detours = choose_detours(plan, examples, {q: ids for q, (_, ids) in found.items()})
         seqs = sft_sequences(examples, prompt_ids(cfg, tokenizer, examples), tokenizer, lambda q: found[q][0],
                              seed=seed, actions=lambda ex, rng: oracle_actions(ex, rng, detour=detours.get(ex.id)))

@@ -150,9 +150,17 @@ def warm_start_fingerprint(cfg) -> str:
 
 def cached_warm_start(model, folder: Optional[str], fingerprint: str, run: Callable[[], str], say: Callable) -> None:
     """Warm-start ``model`` with ``run()`` (which returns a summary line), or load the weights a run with the same
-    fingerprint saved in ``folder``; a new warm start is saved there (written whole, then renamed)."""
+    fingerprint saved in ``folder``; a new warm start is saved there (written whole, then renamed).
+
+    A model on the meta device (a rank whose weights come from rank 0) takes the same branch as rank 0, so it
+    joins the same collectives inside ``run()``, but neither loads nor saves weights."""
     path = None if not folder else os.path.join(folder, f"warmstart_{fingerprint}.pt")
+    from fastcredit.distributed.from_rank0 import has_meta
+
+    meta = has_meta(model)
     if path and os.path.exists(path):
+        if meta:
+            return
         try:
             model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         except (RuntimeError, OSError, ValueError, EOFError, pickle.UnpicklingError) as exc:
@@ -161,7 +169,7 @@ def cached_warm_start(model, folder: Optional[str], fingerprint: str, run: Calla
         say(f"warm start: loaded from {path}")
         return
     say(run())
-    if path:
+    if path and not meta:
         os.makedirs(folder, exist_ok=True)
         with atomic_output(path) as tmp:
             torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)

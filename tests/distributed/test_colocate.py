@@ -116,6 +116,26 @@ def test_a_judge_with_its_own_engine_sleeps_while_the_policy_rolls_out():
                    "policy.wake(['weights'])", "sync", "policy.wake(['kv_cache'])"]
 
 
+def test_a_judge_that_answers_during_the_rollout_is_awake_for_it():
+    """ProCeed's critic with an engine of its own answers between the policy's turns: the rollout wakes it (after the
+    training state is offloaded) instead of putting it to sleep, whose HF engine would be on the host when asked."""
+    log = []
+    pm = PhaseManager(Engine("policy", log), Engine("critic", log), device=torch.device("cpu"),
+                      sync_fn=lambda model: log.append("sync"), judge_in_rollout=True)
+    with pm.train():
+        pass
+    pm.mark_updated()
+    with pm.rollout(weights=object()):
+        assert pm.awake == {"policy": True, "judge": True}
+    with pm.judge():
+        pass
+    with pm.rollout(weights=object()):
+        pass
+    assert log == ["policy.sleep(2)", "critic.sleep(1)", "policy.wake(['weights'])", "sync",
+                   "policy.wake(['kv_cache'])", "critic.wake(None)", "policy.sleep(2)", "policy.wake(['weights'])",
+                   "sync", "policy.wake(['kv_cache'])"]  # the critic, awake since the first rollout, is left so
+
+
 def test_without_colocation_engines_stay_awake_but_weights_still_sync():
     log = []
     pm = PhaseManager(Engine("policy", log), None, colocate=False, sync_fn=lambda m: log.append("sync"))

@@ -36,7 +36,7 @@ def test_helpers_bind_cuda_and_ignore_cpu(bound):
 
 
 def test_a_bare_cuda_device_is_the_creators_current_one(bound, monkeypatch):
-    """``torch.device("cuda")`` has no index, which set_device refuses (the first H100 run's rollout benchmark:
+    """``torch.device("cuda")`` has no index, which set_device refuses (the H100 run's rollout benchmark:
     "Expected a torch.device with a specified index"); the pool binds the device current where it was made."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     pool = devices.device_executor(torch.device("cuda"), "bare")
