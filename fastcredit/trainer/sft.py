@@ -154,9 +154,9 @@ def cached_warm_start(model, folder: Optional[str], fingerprint: str, run: Calla
 
     A model on the meta device (a rank whose weights come from rank 0) takes the same branch as rank 0, so it
     joins the same collectives inside ``run()``, but neither loads nor saves weights."""
-    path = None if not folder else os.path.join(folder, f"warmstart_{fingerprint}.pt")
     from fastcredit.distributed.from_rank0 import has_meta
 
+    path = None if not folder else os.path.join(folder, f"warmstart_{fingerprint}.pt")
     meta = has_meta(model)
     if path and os.path.exists(path):
         if meta:
