@@ -96,6 +96,21 @@ def test_compare_rejects_bad_arguments(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+def test_help_shows_each_example_command_as_written(capsys):
+    """``--help`` prints the docstring's examples: a command continued with a backslash keeps its backslash and its
+    second line (a bare backslash in the docstring would join the lines)."""
+    from fastcredit.compare.runs import main
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    lines = out.splitlines()
+    continued = [i for i, line in enumerate(lines) if line.rstrip().endswith("\\")]
+    assert len(continued) >= 2
+    assert all(lines[i + 1].startswith("        --") for i in continued), [lines[i + 1] for i in continued]
+    assert any(line.strip().startswith("--seeds 6 --noise 0 --jobs 2") for line in lines)
+
+
 def test_default_and_relative_paths_name_the_checkouts_files(tmp_path, monkeypatch):
     """The defaults are the checkout's configs/compare.yaml and bench/results; paths given relative to where the
     command starts are made whole (its runs start in the checkout's folder)."""

@@ -5,7 +5,7 @@
     python -m fastcredit.compare --config configs/compare.yaml --quick          # 1 seed, half the steps
     python -m fastcredit.compare --config configs/compare.yaml --jobs 2        # two runs side by side
     nohup python -m fastcredit.compare --config configs/compare.yaml > runs/compare.log 2>&1 &   # in the background
-    python -m fastcredit.compare --config configs/compare_starved.yaml --methods grpo,gigpo,criticsearch,pica \
+    python -m fastcredit.compare --config configs/compare_starved.yaml --methods grpo,gigpo,criticsearch,pica \\
         --seeds 6 --noise 0 --jobs 2        # the powered comparison (docs/results.md), resumable across sessions
 
 One warm start is made (or loaded: ``warmstart.cache_dir``) and shared by every run; then each
