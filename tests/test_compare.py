@@ -134,13 +134,14 @@ def test_variants_and_summaries():
     assert train_command("c.yaml", split["grpo+split-k2"])[1:6] == ["-m", "torch.distributed.run", "--standalone",
                                                                      "--nproc_per_node=2", "-m"]
     assert train_command("c.yaml", split["grpo"])[1:3] == ["-m", "fastcredit.train"]
+    # seconds per step: the median (step 3 was paused for ten minutes)
     rows = [{"step": 0, "eval/em": 0.1}, {"step": 1, "reward": 0.5, "critic/requests": 8, "time/step": 2.0},
             {"step": 2, "reward": 0.5, "critic/requests": 4, "proceed/critiqued_steps": 2, "time/step": 4.0,
-             "credit/against_outcome_frac": 0.25},
-            {"step": 2, "eval/em": 0.4}]
+             "credit/against_outcome_frac": 0.25}, {"step": 3, "reward": 0.5, "time/step": 600.0},
+            {"step": 3, "eval/em": 0.4}]
     s = summarize_run(rows)
     no_credit = {name: None for name in CREDIT_METRICS}
-    assert s == {"eval_em": {"0": 0.1, "2": 0.4}, "steps": 2, "seconds_per_step": 3.0, "judge_calls_per_step": 7.0,
+    assert s == {"eval_em": {"0": 0.1, "3": 0.4}, "steps": 3, "seconds_per_step": 4.0, "judge_calls_per_step": 14 / 3,
                  "against_outcome_frac": 0.25, "credit": no_credit, "credit_labels": None}
     mean, half = mean_interval([0.2, 0.4, 0.6])
     assert mean == pytest.approx(0.4) and half == pytest.approx(4.303 * 0.2 / 3 ** 0.5, rel=1e-3)
@@ -165,6 +166,13 @@ def test_variants_and_summaries():
     assert t["gigpo"]["mean_em_vs_grpo"] == pytest.approx((0.1 + 0.2) / 2)  # (0.55-0.45, 0.6-0.4)
     assert t["gigpo"]["mean_em_vs_grpo_ci95"] == pytest.approx(12.706 * 0.05, rel=1e-3)  # sd 0.1/√2, n 2
     assert t["gigpo"]["vs_grpo"] == pytest.approx(0.05)  # the final EM: 0.6-0.6 and 0.5-0.4
+    # steps to 0.6: GRPO's seed 0 at 20, its seed 1 never; GiGPO's seed 0 at 20, seed 1 at 10: one pair, 0 apart
+    assert t["grpo"]["steps_to_threshold"] == 20 and t["gigpo"]["steps_to_threshold"] == 15
+    assert t["gigpo"]["steps_to_threshold_vs_grpo"] == 0 and t["gigpo"]["steps_to_threshold_vs_grpo_seeds"] == 1
+    t = summarize({"grpo": [curve(0, [0.5, 0.6, 0.6]), curve(1, [0.5, 0.4, 0.6])],
+                   "gigpo": [curve(0, [0.5, 0.5, 0.6]), curve(1, [0.5, 0.7, 0.5])]}, 0.6)["methods"]
+    assert t["gigpo"]["steps_to_threshold_vs_grpo"] == pytest.approx(0.0)  # +10 on seed 0, -10 on seed 1
+    assert t["gigpo"]["steps_to_threshold_vs_grpo_ci95"] == pytest.approx(12.706 * 10)  # sd 10·√2, n 2
     md = format_markdown(summarize({"grpo": seeds([0.4, 0.6]), "pica": seeds([0.5, 0.7, 0.9])}, None), "cpu", "x")
     assert "| pica | 3 | 0.500 | 0.700 ± 0.497 | +0.100 ± 0.000 | 0.700 ± 0.497 | +0.100 ± 0.000 |" in md
 
@@ -194,6 +202,18 @@ def test_credit_metrics_are_averaged_over_steps_then_seeds_with_their_labels():
     md = format_markdown({"threshold": 0.6, "methods": t}, "cpu", "x")
     assert "| grpo | gold | 0.750 ± 0.635 | – | 1.000 | – | – | 0.312 ± 0.794 |" in md
     assert "| pica | critic | 0.900 | – | – | – | 0.400 | – |" in md and "| ppo | – | – | – |" in md
+    assert "difference to GRPO's run of the same seed ± its 95%" not in md  # no metric has a pair
+    # paired with GRPO by seed, only against the same labels: PiCA's judge-labelled seed 0 has no pair for the
+    # labelled metrics, but its degenerate share (not labelled) has none from GRPO either; a gold-labelled PiCA does
+    assert t["pica"]["credit_vs_grpo_seeds"]["turn_auc"] == 0 and t["pica"]["credit_vs_grpo"]["turn_auc"] is None
+    gold_pica = [{**summarize_run([{**gold[0], "credit/turn_auc": 0.9}]), **run, "seed": k} for k in (0, 1, 2)]
+    t = summarize({"grpo": [{**s, **run, "seed": 0}, {**summarize_run(gold[1:]), **run, "seed": 1}],
+                   "pica": gold_pica}, None)["methods"]
+    assert t["pica"]["credit_vs_grpo"]["turn_auc"] == pytest.approx(0.15)  # 0.9-0.7 and 0.9-0.8; seed 2 unpaired
+    assert t["pica"]["credit_vs_grpo_ci95"]["turn_auc"] == pytest.approx(12.706 * 0.05)
+    assert t["pica"]["credit_vs_grpo_seeds"]["turn_auc"] == 2 and "credit_vs_grpo" not in t["grpo"]
+    md = format_markdown({"threshold": 0.6, "methods": t}, "cpu", "x")
+    assert "| pica | 2 | +0.150 ± 0.635 | – | +0.000 | – | – | +0.188 ± 0.794 |" in md
 
 
 def test_status_lines_of_a_run_are_relayed_and_its_step_table_is_not(tmp_path, capsys):

@@ -4,10 +4,10 @@ Per method (and noisy-judge variant): held-out EM at the start and at the end, m
 interval over seeds (Student's t; one seed has no interval), the difference to GRPO paired by
 seed with its interval, the mean held-out EM over the evaluations after step 0 (learning speed)
 with its paired difference to GRPO, the steps to reach a threshold EM (mean over the seeds that reach it,
-and how many do), how often the method's credit goes against the trajectory's outcome,
-seconds per step and judge calls per step; then a second table, the credit accuracy per turn
-(``CREDIT_METRICS``: each run's mean over its training steps, then mean ± 95% interval over
-seeds, with the labels they were measured against). Written to
+and how many do; paired with GRPO over the seeds where both reach it), how often the method's credit goes
+against the trajectory's outcome, the median seconds per step and judge calls per step; then the credit
+accuracy per turn (``CREDIT_METRICS``: each run's mean over its training steps, then mean ± 95% interval over
+seeds, with the labels they were measured against) and its paired difference to GRPO. Written to
 ``<out>/compare_<name>_<device>.{md,json,png}``.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ import glob
 import json
 import math
 import os
+import statistics
 from typing import Optional
 
 from fastcredit.credit.accuracy import LABEL_SOURCES, LABELLED_METRICS
@@ -73,9 +74,10 @@ def credit_summary(rows: list[dict]) -> tuple[dict, Optional[str]]:
 
 
 def summarize_run(rows: list[dict]) -> dict:
-    """From a run's metrics lines: held-out EM by step, the mean seconds per step, judge calls per step and share of
-    advantage tokens against their trajectory's outcome (``credit/against_outcome_frac``) over the training steps,
-    and the credit-accuracy means (``credit``) with their labels (``credit_labels``; :func:`credit_summary`)."""
+    """From a run's metrics lines: held-out EM by step, the median seconds per step (a run paused or sharing its
+    cores for a while moves a median least), judge calls per step and share of advantage tokens against their
+    trajectory's outcome (``credit/against_outcome_frac``) over the training steps, and the credit-accuracy means
+    (``credit``) with their labels (``credit_labels``; :func:`credit_summary`)."""
     em = {}
     secs, calls, against, steps = [], [], [], 0
     for r in rows:
@@ -92,7 +94,8 @@ def summarize_run(rows: list[dict]) -> dict:
                              if k.endswith("/requests") or k == "proceed/critiqued_steps"))
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     credit, labels = credit_summary(rows)
-    return {"eval_em": {str(k): em[k] for k in sorted(em)}, "steps": steps, "seconds_per_step": mean(secs),
+    return {"eval_em": {str(k): em[k] for k in sorted(em)}, "steps": steps,
+            "seconds_per_step": statistics.median(secs) if secs else None,
             "judge_calls_per_step": mean(calls) or 0.0, "against_outcome_frac": mean(against),
             "credit": credit, "credit_labels": labels}
 
@@ -150,6 +153,7 @@ def summarize(results: dict[str, list[dict]], threshold: Optional[float]) -> dic
     grpo = results.get("grpo", [])
     grpo_final = {r["seed"]: _curve(r)[-1][1] for r in grpo}
     grpo_mean = {r["seed"]: mean_after_start(r) for r in grpo if mean_after_start(r) is not None}
+    grpo_steps = {r["seed"]: steps_to(r, threshold) for r in grpo if steps_to(r, threshold) is not None}
     table = {}
     for label, rows in results.items():
         final, ci = mean_interval(finals[label])
@@ -162,6 +166,8 @@ def summarize(results: dict[str, list[dict]], threshold: Optional[float]) -> dic
         other = label != "grpo"
         diffs, vs, vs_ci = _paired(rows, grpo_final, lambda r: _curve(r)[-1][1]) if other else ([], None, None)
         _, vs_speed, vs_speed_ci = _paired(rows, grpo_mean, mean_after_start) if other else ([], None, None)
+        pairs, vs_steps, vs_steps_ci = (_paired(rows, grpo_steps, lambda r: steps_to(r, threshold)) if other
+                                        else ([], None, None))
         table[label] = {
             "seeds": [r["seed"] for r in rows], "start_em": start, "final_em": final, "final_em_ci95": ci,
             "final_em_per_seed": finals[label], "vs_grpo": vs, "vs_grpo_ci95": vs_ci, "vs_grpo_seeds": len(diffs),
@@ -170,12 +176,31 @@ def summarize(results: dict[str, list[dict]], threshold: Optional[float]) -> dic
             "steps": max(r["steps"] for r in rows),
             "steps_to_threshold": sum(reached) / len(reached) if reached else None,
             "reached_threshold": f"{len(reached)}/{len(rows)}",
+            "steps_to_threshold_vs_grpo": vs_steps, "steps_to_threshold_vs_grpo_ci95": vs_steps_ci,
+            "steps_to_threshold_vs_grpo_seeds": len(pairs),
             "against_outcome_frac": sum(against) / len(against) if against else None,
             "seconds_per_step": sum(secs) / len(secs) if secs else None,
             "judge_calls_per_step": sum(r["judge_calls_per_step"] for r in rows) / len(rows),
             **credit_over_seeds(rows),
+            **(credit_vs_grpo(rows, grpo) if other else {}),
         }
     return {"threshold": threshold, "methods": table}
+
+
+def credit_vs_grpo(rows: list[dict], grpo: list[dict]) -> dict:
+    """``credit_vs_grpo`` / ``credit_vs_grpo_ci95`` / ``credit_vs_grpo_seeds``: each of ``CREDIT_METRICS`` as the
+    mean difference to GRPO's run of the same seed and its 95% half-width, over the seeds where both runs logged it
+    against the same labels (a difference between the gold labels and a judge's would compare two rulers)."""
+    out = {"credit_vs_grpo": {}, "credit_vs_grpo_ci95": {}, "credit_vs_grpo_seeds": {}}
+    for name in CREDIT_METRICS:
+        base = {r["seed"]: (r.get("credit") or {}).get(name) for r in grpo}
+        labels = {r["seed"]: r.get("credit_labels") for r in grpo}
+        base = {k: v for k, v in base.items() if v is not None}
+        same = [r for r in rows if r["seed"] in base and r.get("credit_labels") == labels[r["seed"]]]
+        diffs, mean, ci = _paired(same, base, lambda r, n=name: (r.get("credit") or {}).get(n))
+        out["credit_vs_grpo"][name], out["credit_vs_grpo_ci95"][name] = mean, ci
+        out["credit_vs_grpo_seeds"][name] = len(diffs)
+    return out
 
 
 def credit_over_seeds(rows: list[dict]) -> dict:
@@ -195,7 +220,7 @@ def _fmt(x: Optional[float], spec: str = ".3f") -> str:
 
 
 def _pm(x: Optional[float], ci: Optional[float], spec: str) -> str:
-    return _fmt(x, spec) + ("" if x is None or ci is None else f" ± {ci:.3f}")
+    return _fmt(x, spec) + ("" if x is None or ci is None else f" ± {ci:{spec.lstrip('+')}}")
 
 
 def format_markdown(summary: dict, device: str, name: str) -> str:
@@ -204,12 +229,14 @@ def format_markdown(summary: dict, device: str, name: str) -> str:
              "Held-out EM (greedy) of each method from the same warm start; mean ± 95% interval over seeds. "
              "*vs GRPO*: the mean per-seed difference to GRPO's run of the same seed (same warm start, prompts and "
              f"held-out questions) ± its 95% interval. Steps to EM ≥ {_fmt(thr)} (the default threshold is GRPO's "
-             "final mean): mean over the seeds that reach it. *Against outcome*: share of advantage tokens whose "
-             "sign is opposite to their trajectory's outcome in its group (0 for GRPO). *Mean EM*: the mean over "
-             "the evaluations after step 0 (learning speed), with its per-seed difference to GRPO.", "",
+             "final mean): mean over the seeds that reach it, and its per-seed difference to GRPO over the seeds "
+             "where both reach it. *Against outcome*: share of advantage tokens whose sign is opposite to their "
+             "trajectory's outcome in its group (0 for GRPO). *Mean EM*: the mean over the evaluations after step "
+             "0 (learning speed), with its per-seed difference to GRPO. *s / step*: the median over a run's steps, "
+             "then the mean over seeds.", "",
              "| method | seeds | EM at start | final EM | vs GRPO | mean EM | vs GRPO | steps to threshold (reached) | "
-             "against outcome | s / step | judge calls / step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "vs GRPO | against outcome | s / step | judge calls / step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, t in summary["methods"].items():
         lines.append(f"| {label} | {len(t['seeds'])} | {t['start_em']:.3f} | "
                      f"{_pm(t['final_em'], t['final_em_ci95'], '.3f')} | "
@@ -217,6 +244,7 @@ def format_markdown(summary: dict, device: str, name: str) -> str:
                      f"{_pm(t.get('mean_em'), t.get('mean_em_ci95'), '.3f')} | "
                      f"{_pm(t.get('mean_em_vs_grpo'), t.get('mean_em_vs_grpo_ci95'), '+.3f')} | "
                      f"{_fmt(t['steps_to_threshold'], '.0f')} ({t['reached_threshold']}) | "
+                     f"{_pm(t.get('steps_to_threshold_vs_grpo'), t.get('steps_to_threshold_vs_grpo_ci95'), '+.1f')} | "
                      f"{_fmt(t['against_outcome_frac'], '.3f')} | "
                      f"{_fmt(t['seconds_per_step'], '.1f')} | {t['judge_calls_per_step']:.0f} |")
     return "\n".join(lines + [""] + credit_markdown(summary)) + "\n"
@@ -239,6 +267,18 @@ def credit_markdown(summary: dict) -> list[str]:
         credit, ci = t.get("credit") or {}, t.get("credit_ci95") or {}
         cells = [_pm(credit.get(name), ci.get(name), ".3f") for name in CREDIT_METRICS]
         lines.append(f"| {label} | {t.get('credit_labels') or '–'} | " + " | ".join(cells) + " |")
+    paired = [(label, t) for label, t in summary["methods"].items() if any(t.get("credit_vs_grpo_seeds", {}).values())]
+    if not paired:
+        return lines
+    lines += ["", "The same, as the mean per-seed difference to GRPO's run of the same seed ± its 95% interval (over "
+              "the seeds where both runs logged the metric against the same labels; *seeds*: the most such seeds "
+              "of any metric).", "",
+              "| method | seeds | " + " | ".join(CREDIT_METRICS.values()) + " |",
+              "|---|---:|" + "---:|" * len(CREDIT_METRICS)]
+    for label, t in paired:
+        vs, ci = t["credit_vs_grpo"], t["credit_vs_grpo_ci95"]
+        cells = [_pm(vs.get(name), ci.get(name), "+.3f") for name in CREDIT_METRICS]
+        lines.append(f"| {label} | {max(t['credit_vs_grpo_seeds'].values())} | " + " | ".join(cells) + " |")
     return lines
 
 
