@@ -311,7 +311,9 @@ def plot(results: dict[str, list[dict]], path: str, title: str) -> None:
         ax.set(xlabel="training step", ylabel="held-out EM (greedy)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title + (" — band: lowest to highest seed" if any(len(r) > 1 for r in results.values()) else ""))
+    # the band's note on a line of its own: one line with a long device name runs past a one-panel figure
+    fig.suptitle(title + ("\nband: lowest to highest seed" if any(len(r) > 1 for r in results.values()) else ""),
+                 fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
