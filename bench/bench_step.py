@@ -5,6 +5,8 @@
     PYTHONPATH=. python bench/bench_step.py --shape Qwen2.5-0.5B    # GPU: random weights of that shape
     PYTHONPATH=. python bench/bench_step.py --shape Qwen2.5-3B --config configs/debug.yaml rollout.n_samples=5
     PYTHONPATH=. python bench/bench_step.py --placement split --staleness 0,1,2   # overlap: bench/step_split.py
+    PYTHONPATH=. python bench/bench_step.py --shape Qwen2.5-0.5B --config configs/demo.yaml --tag search \
+        warmstart.questions=1500 warmstart.epochs=1 warmstart.lr=5e-4   # GPU: warm-started, so it searches
 
 One process runs ``--warmup`` + ``--steps`` trainer steps of each design on the same config, model
 shape, data, seed and batch: fastcredit's own (the config as given) and Search-R1's system design
@@ -12,7 +14,10 @@ shape, data, seed and batch: fastcredit's own (the config as given) and Search-R
 retrieval to a ``/retrieve`` server this script starts on the same index, the unfused torch loss
 and log-prob, no prefix caching). Per design it reports the medians over the timed steps of each
 phase the trainer times (``time/*`` in metrics.jsonl), tokens/s and peak memory; then the ratio
-fastcredit / Search-R1 design per phase and for the whole step (below 1: fastcredit is faster).
+fastcredit / Search-R1 design per phase and for the whole step (below 1: fastcredit is faster), and what
+the steps did (searches, turns and response tokens per trajectory: with random weights a policy does not
+search, and the retrieval path, where the designs differ most, sits idle; a config with a warm start
+searches: each design makes it the same way, before its steps, and keeps it in ``--work``).
 
 Phases: the top-level ones partition a step (rollout, reward, judge, old / reference log-probs,
 values, advantage, update; "other" is the rest: moving engines and the training state between the
@@ -54,6 +59,10 @@ INSIDE = (("generation", ("time/rollout/generating",), ()),
           ("weight sync", ("time/colocate/sync_weights",), ()),
           ("offload / reload", ("time/colocate/offload", "time/colocate/reload"), ()),
           ("engine sleep / wake", ("time/colocate/engine_sleep", "time/colocate/engine_wake"), ()))
+# What each design's steps did (medians over the timed steps): a step without searches leaves the retrieval path,
+# where the designs differ most, idle, so the figure says how much it searched.
+WORKLOAD = (("searches / trajectory", "searches_per_traj"), ("turns / trajectory", "turns_per_traj"),
+            ("response tokens / trajectory", "response_tokens_mean"), ("format followed", "format_ok"))
 
 
 def _free_port() -> int:
@@ -192,6 +201,12 @@ def phase_table(runs: dict) -> list[dict]:
     return table
 
 
+def workload(runs: dict) -> list[dict]:
+    """Rows ``{what, <design>: median over the timed steps}`` of ``WORKLOAD``, the ones the runs logged."""
+    return [{"what": label, **{d: statistics.median(r[key] for r in runs[d]["rows"]) for d in runs}}
+            for label, key in WORKLOAD if all(key in r for run in runs.values() for r in run["rows"])]
+
+
 def markdown(report: dict) -> str:
     a, b = DESIGNS
     lines = [f"# Per-step time: fastcredit vs the Search-R1 design — {report['device']}", "",
@@ -205,6 +220,13 @@ def markdown(report: dict) -> str:
             name = f"**{row['phase']}**"
         ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}"
         lines.append(f"| {name} | {row[a]:.3f} | {row[b]:.3f} | {ratio} |")
+    if report.get("workload"):
+        lines += ["", "What the timed steps did (medians):", "", f"| | {a} | {b} |", "|---|---:|---:|"]
+        lines += [f"| {w['what']} | {w[a]:.2f} | {w[b]:.2f} |" for w in report["workload"]]
+        searches = [w for w in report["workload"] if w["what"] == WORKLOAD[0][0]]
+        if searches and max(searches[0][d] for d in DESIGNS) == 0:
+            lines.append("\nNo trajectory searched: the retrieval path sat idle, so this step says little about "
+                         "the designs' retrieval (a warm-started policy searches).")
     for d in DESIGNS:
         peaks = ", ".join(f"{k} {v:.2f}" for k, v in report["runs"][d]["peak"].items()) or "n/a"
         lines.append(f"\n{d}: peak memory {peaks}; wall {report['runs'][d]['wall_s']:.1f} s for all its steps.")
@@ -246,14 +268,18 @@ def main(argv=None) -> int:
                    help="split: the split placement at each --staleness beside colocated, 2 ranks "
                         "(bench/step_split.py)")
     p.add_argument("--staleness", default="0,1,2", help="--placement split: the rollout.max_staleness values")
+    p.add_argument("--tag", default="", help="added to the results' name: step_<shape>_<tag>_<device>")
     p.add_argument("overrides", nargs="*", help="key=value config overrides, applied to both designs")
     a = p.parse_args(argv)
     if a.steps < 1 or a.warmup < 0:
         p.error("--steps must be at least 1 and --warmup at least 0")
     work = a.work = a.work or tempfile.mkdtemp(prefix="bench_step_")
     world = os.path.join(work, "world")
+    # a warm start (a config that enables one) is made by each design (the Search-R1 design's oracle searches go to
+    # its /retrieve server, so its fingerprint differs) and kept in --work for a rerun
     common = [f"data.world_dir={world}", "eval.questions=0", "eval.every=0", "logging.checkpoint_every=0",
-              "logging.progress=false", *shape_overrides(a.shape), *a.overrides]
+              "logging.progress=false", f"warmstart.cache_dir={os.path.join(work, 'warmstart')}",
+              *shape_overrides(a.shape), *a.overrides]
     if a.placement == "split":
         import step_split
 
@@ -274,11 +300,12 @@ def main(argv=None) -> int:
               "overrides": a.overrides, "steps": a.steps, "warmup": a.warmup,
               "runs": {d: {"wall_s": r["wall_s"], "peak": r["peak"], "rows": r["rows"]} for d, r in runs.items()}}
     report["table"] = phase_table(runs)
+    report["workload"] = workload(runs)
     step = next(r for r in report["table"] if r["phase"] == "step")
     report["step_ratio"] = step["ratio"]
     text = markdown(report)
     print(text)
-    json_path = write_results(f"step_{a.shape}", report, a.out)
+    json_path = write_results(f"step_{a.shape}" + (f"_{a.tag}" if a.tag else ""), report, a.out)
     stem = os.path.splitext(json_path)[0]
     with open(stem + ".md", "w") as f:
         f.write(text)

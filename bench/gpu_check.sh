@@ -5,7 +5,8 @@
 # loses nothing written before it): env -> build the CUDA extension -> GPU tests and the kernel
 # tests compiled -> kernel benchmarks and targets -> three trainer steps -> two steps under torchrun on
 # every visible GPU (2 or more) -> the async-vs-lockstep rollout bench -> a step against the Search-R1
-# design -> an nsys profile -> summary.md. Exit status 1 when any stage or target fails. Wheels placed in bench/wheels/ (or
+# design, random weights -> the same, warm-started so that it searches -> an nsys profile -> summary.md.
+# Exit status 1 when any stage or target fails. Wheels placed in bench/wheels/ (or
 # $GPU_CHECK_WHEELS) are installed first with --no-deps (liger-kernel, nvtx, ... on a bare image).
 # GPU_CHECK_STAGES="kernels train" runs only those stages into the same OUTDIR (the summary reads
 # every stage file there), so the check can be split over two 10-minute runs.
@@ -27,7 +28,8 @@ record() {  # stage status reason
   echo "[gpu-check] $1: $2${3:+ ($3)}"
 }
 export -f record
-want() { [[ " ${GPU_CHECK_STAGES:-env build tests kernels train ranks rollout step split nsys} " == *" $1 "* ]]; }
+ALL_STAGES="env build tests kernels train ranks rollout step search_step split nsys"
+want() { [[ " ${GPU_CHECK_STAGES:-$ALL_STAGES} " == *" $1 "* ]]; }
 run_stage() {  # name, then a command or an exported function; a timeout or crash without a record is a failure
   local name=$1; shift
   want "$name" || return 0
@@ -89,8 +91,21 @@ if [ "$CUDA" = 1 ]; then
   }
   export -f step_stage
   run_stage step step_stage
+  # the same at the demo's batch with a short warm start, so the policy searches and the retrieval path, where the
+  # designs differ most, is timed too (random weights make no searches); each design warm-starts before its steps
+  search_step_stage() {
+    PYTHONPATH=".:bench${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/bench_step.py --shape Qwen2.5-0.5B \
+      --config configs/demo.yaml --tag search --steps 3 --warmup 1 --out "$OUT" --work "$OUT/work/search_step" \
+      warmstart.questions=1500 warmstart.epochs=1 warmstart.lr=5e-4 \
+      && record search_step passed "step_Qwen2.5-0.5B_search_*.{json,md,png}" \
+      || record search_step failed "see search_step.log"
+  }
+  export -f search_step_stage
+  run_stage search_step search_step_stage
 else
   want step && record step "not run" "needs CUDA (on a CPU: PYTHONPATH=. python bench/bench_step.py)"
+  want search_step && record search_step "not run" \
+    "needs CUDA (on a CPU: PYTHONPATH=. python bench/bench_step.py --config configs/demo.yaml)"
 fi
 
 GPUS=$([ "$CUDA" = 1 ] && "$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)

@@ -6,7 +6,7 @@ import glob
 import json
 import os
 
-STAGES = ("env", "build", "tests", "kernels", "train", "ranks", "rollout", "step", "split", "nsys")
+STAGES = ("env", "build", "tests", "kernels", "train", "ranks", "rollout", "step", "search_step", "split", "nsys")
 
 
 def _fmt(v) -> str:

@@ -9,7 +9,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from bench_step import DESIGNS, phase_table, shape_overrides  # noqa: E402
+from bench_step import DESIGNS, markdown, phase_table, shape_overrides, workload  # noqa: E402
 
 
 def _row(n, **t):
@@ -34,6 +34,29 @@ def test_the_table_partitions_the_step_and_takes_medians():
     assert table["retrieval wait"][DESIGNS[0]] == 2.0 and table["retrieval wait"]["inside"]
     assert table["weight sync"][DESIGNS[0]] == 0.0 and table["weight sync"]["ratio"] == 0.0
     assert "judge" not in table and "values" not in table  # phases no design ran are left out
+
+
+def test_the_workload_says_how_much_each_design_searched():
+    """Medians over the timed steps; a step where no design searched says that its retrieval sat idle."""
+    def rows(searches):
+        return [{"step": k + 1, "searches_per_traj": s, "turns_per_traj": 1.0 + s, "response_tokens_mean": 50.0,
+                 "format_ok": 0.5} for k, s in enumerate(searches)]
+
+    runs = {DESIGNS[0]: {"rows": rows([0.0, 2.0, 1.0])}, DESIGNS[1]: {"rows": rows([3.0, 1.0, 2.0])}}
+    got = {w["what"]: w for w in workload(runs)}
+    assert got["searches / trajectory"][DESIGNS[0]] == 1.0 and got["searches / trajectory"][DESIGNS[1]] == 2.0
+    assert got["turns / trajectory"][DESIGNS[1]] == 3.0 and got["format followed"][DESIGNS[0]] == 0.5
+    for r in runs[DESIGNS[1]]["rows"]:
+        del r["format_ok"]  # a key one design did not log is left out
+    assert [w["what"] for w in workload(runs)] == ["searches / trajectory", "turns / trajectory",
+                                                   "response tokens / trajectory"]
+    report = {"device": "cpu", "shape": "tiny", "config": os.path.join(ROOT, "configs", "debug.yaml"),
+              "overrides": [], "steps": 3, "warmup": 1, "table": [],
+              "runs": {d: {"peak": {}, "wall_s": 1.0} for d in DESIGNS}, "workload": workload(runs)}
+    md = markdown(report)
+    assert "| searches / trajectory | 1.00 | 2.00 |" in md and "No trajectory searched" not in md
+    idle = {d: {"rows": rows([0.0, 0.0])} for d in DESIGNS}
+    assert "No trajectory searched" in markdown({**report, "workload": workload(idle)})
 
 
 def test_child_processes_keep_the_inherited_pythonpath(monkeypatch):
@@ -66,13 +89,14 @@ def test_bench_step_runs_both_designs_and_writes_its_results(tmp_path):
     to nothing)."""
     out = tmp_path / "results"
     cmd = [sys.executable, "bench/bench_step.py", "--steps", "1", "--warmup", "0", "--work", str(tmp_path / "w"),
-           "--out", str(out), "optim.batch_prompts=2", "rollout.n_samples=2", "optim.mini_batch_prompts=2",
-           "data.toy.num_questions=40", "data.toy.num_people=80",
+           "--out", str(out), "--tag", "t", "optim.batch_prompts=2", "rollout.n_samples=2",
+           "optim.mini_batch_prompts=2", "data.toy.num_questions=40", "data.toy.num_people=80",
            "data.toy.num_companies=20", "model.tiny_vocab_rows=3000"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/bench"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.load(open(next(out.glob("step_tiny_*.json"))))
+    report = json.load(open(next(out.glob("step_tiny_t_*.json"))))
+    assert [w["what"] for w in report["workload"]][0] == "searches / trajectory"
     assert set(report["runs"]) == set(DESIGNS) and report["step_ratio"] > 0
     base = report["runs"]["searchr1_design"]["rows"][0]
     assert base["step"] == 1 and base["time/step"] > 0 and "time/rollout/generating" in base

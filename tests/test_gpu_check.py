@@ -22,7 +22,7 @@ def test_the_gpu_check_runs_on_a_cpu(tmp_path):
     status = {p.stem[6:]: json.load(open(p))["status"] for p in out.glob("stage_*.json")}
     assert status == {"env": "passed", "build": "not run", "tests": "not run", "kernels": "passed",
                       "train": "passed", "ranks": "not run", "rollout": "not run", "step": "not run",
-                      "split": "not run", "nsys": "not run"}
+                      "search_step": "not run", "split": "not run", "nsys": "not run"}
     assert "needs 2 or more GPUs" in json.load(open(out / "stage_ranks.json"))["reason"]
     assert "needs CUDA (the CPU figure" in json.load(open(out / "stage_split.json"))["reason"]
     env = json.load(open(out / "env.json"))
@@ -66,7 +66,8 @@ def test_a_check_split_over_two_runs_is_not_a_pass_until_every_stage_ran(tmp_pat
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_STAGES": "env build"}
     proc = subprocess.run(["bash", "bench/gpu_check.sh", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env=env)
-    assert proc.returncode == 1 and "FAILED: tests, kernels, train, ranks, rollout, step, split, nsys" in proc.stdout
+    failed = "FAILED: tests, kernels, train, ranks, rollout, step, search_step, split, nsys"
+    assert proc.returncode == 1 and failed in proc.stdout
     assert "| kernels | failed | no result in OUTDIR" in (tmp_path / "summary.md").read_text()
     assert json.load(open(tmp_path / "stage_build.json"))["status"] == "not run"
 
