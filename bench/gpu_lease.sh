@@ -60,7 +60,7 @@ run() {
   local s first=1
   for s in ${FIRST-build env}; do stage "$s" 120; done
   [ -n "${PARALLEL-tests}" ] && { stage "${PARALLEL-tests}" 220 & }
-  for s in ${SERIAL-train step rollout kernels search_step}; do
+  for s in ${SERIAL-train rollout search_step kernels step}; do
     stage "$s" 220
     if [ $first = 1 ]; then wait; first=0; fi  # the parallel stage ends before the second serial one times anything
   done
