@@ -3,6 +3,7 @@ and resumed gives the same step 2 as an uninterrupted run; the collapse guard st
 train with FSDP2 and with DeepSpeed ZeRO-3, whose checkpoints also resume to the same step 2."""
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -219,6 +220,7 @@ def test_the_vllm_engine_runs_in_the_trainer_on_two_ranks(tmp_path):
                     "warmstart.epochs=1", f"warmstart.cache_dir={cache}", "optim.total_steps=1")
     assert "2 process(es)" in proc.stdout and [r["step"] for r in metrics(out) if "reward" in r] == [1]
     assert "oracle trajectories" in proc.stdout and len(list(cache.glob("warmstart_*.pt"))) == 1
+    assert re.search(r"oracle trajectories x 1 epoch in \d+ s, loss \d+\.\d{3}$", proc.stdout, re.M)  # one loss
     for rank in (0, 1):
         assert os.path.exists(os.path.join(out, f"engine_config_rank{rank}", "config.json"))
         assert not os.path.exists(os.path.join(out, f"engine_config_rank{rank}", "model.safetensors"))

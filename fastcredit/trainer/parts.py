@@ -170,8 +170,10 @@ def warm_start(lm, cfg: TrainConfig, data: Data, tokenizer, searcher, info, say:
                            progress=bar, on_epoch=None if bar else lambda k, loss: say(
                                f"warm start: epoch {k}/{w.epochs}, loss {loss:.3f} ({time.time() - t0:.0f} s)"))
         made = f" ({len(detours)} with a detour)" if w.detour_fraction else ""
-        return (f"warm start: {len(seqs)} oracle trajectories{made} x {w.epochs} epochs in {time.time() - t0:.0f} s, "
-                f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        # the mean loss of the first epoch and of the last (one epoch: its mean)
+        loss = f"{losses[0]:.3f} -> {losses[-1]:.3f}" if len(losses) > 1 else f"{losses[0]:.3f}"
+        epochs = f"{w.epochs} epoch{'s' if w.epochs > 1 else ''}"
+        return f"warm start: {len(seqs)} oracle trajectories{made} x {epochs} in {time.time() - t0:.0f} s, loss {loss}"
 
     cached_warm_start(lm, w.cache_dir, warm_start_fingerprint(cfg), run, say)
     lm.requires_grad_(True).train()
