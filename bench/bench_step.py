@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python bench/bench_step.py                   # CPU: the tiny policy on the toy world (GRPO)
     PYTHONPATH=. python bench/bench_step.py --steps 5 credit.estimator=ppo          # any key=value override
+    PYTHONPATH=. python bench/bench_step.py --shape Qwen2.5-0.5B distributed.offload_state=false   # fastcredit's
+                                                  # state kept on the GPU (the Search-R1 design offloads it)
     PYTHONPATH=. python bench/bench_step.py --shape Qwen2.5-0.5B    # GPU: random weights of that shape
     PYTHONPATH=. python bench/bench_step.py --shape Qwen2.5-3B --config configs/debug.yaml rollout.n_samples=5
     PYTHONPATH=. python bench/bench_step.py --placement split --staleness 0,1,2   # overlap: bench/step_split.py
@@ -50,6 +52,9 @@ from results_io import child_env, device_name, write_results
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DESIGN = os.path.join(ROOT, "configs", "searchr1_design.yaml")
 DESIGNS = ("fastcredit", "searchr1_design")
+# What the Search-R1 design keeps whatever the overrides say (they go to both designs otherwise): its scripts move
+# the training state to the host between phases, so keeping it on the GPU is fastcredit's side only.
+DESIGN_PINNED = ("distributed.offload_state=true",)
 # (label, how it is read from a step's metrics row, top-level?)
 TOP = (("rollout", ("time/rollout",)), ("reward", ("time/reward",)), ("judge", ("time/judge",)),
        ("old log-probs", ("time/old_logprobs",)), ("reference log-probs", ("time/ref_logprobs",)),
@@ -152,7 +157,8 @@ def run_design(name: str, config: str, overrides: list[str], work: str, steps: i
 
     out = os.path.join(work, name)
     paths = [config] + ([DESIGN] if name == "searchr1_design" else [])
-    cfg = load_config(paths, [*overrides, f"logging.output_dir={out}", f"optim.total_steps={warmup + steps}"])
+    pinned = DESIGN_PINNED if name == "searchr1_design" else ()
+    cfg = load_config(paths, [*overrides, *pinned, f"logging.output_dir={out}", f"optim.total_steps={warmup + steps}"])
     print(f"[{name}] {warmup} warm-up + {steps} timed steps: rollout.mode={cfg.rollout.mode}, "
           f"retrieval.backend={cfg.retrieval.backend}, loss.impl={cfg.loss.impl}", flush=True)
     info = init_distributed(cfg.distributed.backend, cfg.distributed.shard_size)
@@ -269,7 +275,8 @@ def main(argv=None) -> int:
                         "(bench/step_split.py)")
     p.add_argument("--staleness", default="0,1,2", help="--placement split: the rollout.max_staleness values")
     p.add_argument("--tag", default="", help="added to the results' name: step_<shape>_<tag>_<device>")
-    p.add_argument("overrides", nargs="*", help="key=value config overrides, applied to both designs")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides, applied to both designs (the Search-R1 "
+                                                "design keeps DESIGN_PINNED)")
     a = p.parse_args(argv)
     if a.steps < 1 or a.warmup < 0:
         p.error("--steps must be at least 1 and --warmup at least 0")

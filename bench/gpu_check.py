@@ -248,18 +248,21 @@ def random_policy(work: str, cuda: bool, name: str = "policy", seed: int = 0) ->
 
 
 # Each run: (name, overrides). "switch" adds a frozen critic of the policy's architecture, so
-# every step switches the engine's weights to the critic and back (time/colocate/*). On a CPU only "switch" runs:
-# it takes every step of "grpo" and the switch besides, and the suite runs this stage on every CI run.
+# every step switches the engine's weights to the critic and back (time/colocate/*); "keep" is "grpo" with the
+# training state kept on the GPU (distributed.offload_state=false: no offload / reload). On a CPU only "switch"
+# runs: it takes every step of "grpo" and the switch besides, and the suite runs this stage on every CI run.
 def _train_runs(critic: str, cuda: bool) -> list:
     switch = ("switch", ["credit.estimator=criticsearch", "credit.reward=criticsearch", "judges.backend=colocated",
                          f"judges.model={critic}", "judges.max_tokens=64", "loss.kl_coef=0.001"])
-    return [("grpo", []), switch] if cuda else [switch]
+    keep = ("keep", ["distributed.offload_state=false", "rollout.gpu_memory_utilization=0.3"])
+    return [("grpo", []), keep, switch] if cuda else [switch]
 
 
 def stage_train(out: str) -> None:
-    """Three trainer steps per engine (HF; vLLM too when it imports) and run (grpo, and a critic switched into the
-    engine; on a CPU the switch run only) on a random Qwen2 built in code: per-phase seconds, switch / sync / move
-    seconds, GPU memory at every phase boundary (allocated / reserved / engine)."""
+    """Three trainer steps per engine (HF; vLLM too when it imports) and run (grpo, grpo with the training state kept
+    on the GPU, and a critic switched into the engine; on a CPU the switch run only) on a random Qwen2 built in code:
+    per-phase seconds, switch / sync / move seconds, GPU memory at every phase boundary (allocated / reserved /
+    engine)."""
     cuda = _cuda()
     engines = ["hf"] + (["vllm"] if cuda and importlib.util.find_spec("vllm") else [])
     results, failed = {}, []

@@ -91,7 +91,7 @@ def test_bench_step_runs_both_designs_and_writes_its_results(tmp_path):
     cmd = [sys.executable, "bench/bench_step.py", "--steps", "1", "--warmup", "0", "--work", str(tmp_path / "w"),
            "--out", str(out), "--tag", "t", "optim.batch_prompts=2", "rollout.n_samples=2",
            "optim.mini_batch_prompts=2", "data.toy.num_questions=40", "data.toy.num_people=80",
-           "data.toy.num_companies=20", "model.tiny_vocab_rows=3000"]
+           "data.toy.num_companies=20", "model.tiny_vocab_rows=3000", "distributed.offload_state=false"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/bench"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -106,3 +106,6 @@ def test_bench_step_runs_both_designs_and_writes_its_results(tmp_path):
     assert next(out.glob("step_tiny_*.png")).stat().st_size > 0
     design = open(tmp_path / "w" / "searchr1_design" / "config.yaml").read()
     assert "mode: lockstep" in design and "backend: http" in design and "stop_at_tags: false" in design
+    # an override goes to both designs, except what the Search-R1 design pins: its training state moves
+    assert "offload_state: true" in design
+    assert "offload_state: false" in open(tmp_path / "w" / "fastcredit" / "config.yaml").read()

@@ -21,7 +21,9 @@ _MINI = ("units differ: Search-R1 multiplies it by rollout.n, which it keeps at 
          "rollout.n = G counts prompts, as fastcredit does)")
 _MICRO = ("veRL counts sequences per micro-batch; fastcredit packs micro-batches by token count per rank; "
           "memory only, the update is the same")
-_OFFLOAD = "one switch offloads the parameters and the optimizer state (gradients follow)"
+_OFFLOAD = ("veRL moves them to the host between phases, as fastcredit moves the whole training state whenever it "
+            "trains colocated on a GPU (one switch, default true; gradients are freed after each update). veRL's "
+            "fsdp_config.offload_policy, FSDP2's CPU offload while training, is distributed.cpu_offload")
 
 ALIASES: dict[str, tuple[Optional[str], str]] = {
     # data
@@ -77,11 +79,15 @@ ALIASES: dict[str, tuple[Optional[str], str]] = {
     "actor_rollout_ref.actor.loss_agg_mode": (
         "loss.agg_mode", "same names; Search-R1's fork averages tokens per micro-batch (close to token-mean)"),
     "actor_rollout_ref.actor.state_masking": (None, "always on: observation tokens never count in the loss"),
-    "actor_rollout_ref.actor.fsdp_config.param_offload": ("distributed.cpu_offload", _OFFLOAD),
-    "actor_rollout_ref.actor.fsdp_config.grad_offload": ("distributed.cpu_offload", _OFFLOAD),
-    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": ("distributed.cpu_offload", _OFFLOAD),
+    "actor_rollout_ref.actor.fsdp_config.param_offload": ("distributed.offload_state", _OFFLOAD),
+    "actor_rollout_ref.actor.fsdp_config.grad_offload": ("distributed.offload_state", _OFFLOAD),
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": ("distributed.offload_state", _OFFLOAD),
+    "actor_rollout_ref.actor.fsdp_config.offload_policy": (
+        "distributed.cpu_offload", "FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state stay on the "
+                                   "host while training too (the optimizer steps there)"),
     "actor_rollout_ref.ref.fsdp_config.param_offload": (
-        None, "the frozen reference policy is placed like the policy; no switch of its own"),
+        "distributed.offload_state", "the frozen reference policy moves with the training state: onto the GPU for its "
+                                     "pass, back to the host after it"),
     "actor_rollout_ref.ref.log_prob_micro_batch_size": ("optim.micro_batch_tokens", _MICRO),
     # the rollout
     "actor_rollout_ref.rollout.name": ("rollout.engine", "vllm or hf"),
@@ -112,9 +118,9 @@ ALIASES: dict[str, tuple[Optional[str], str]] = {
     "critic.grad_clip": ("optim.grad_clip", "one value for policy and value model"),
     "critic.model.enable_gradient_checkpointing": (
         "distributed.activation_checkpointing", "one switch for both models"),
-    "critic.model.fsdp_config.param_offload": ("distributed.cpu_offload", _OFFLOAD),
-    "critic.model.fsdp_config.grad_offload": ("distributed.cpu_offload", _OFFLOAD),
-    "critic.model.fsdp_config.optimizer_offload": ("distributed.cpu_offload", _OFFLOAD),
+    "critic.model.fsdp_config.param_offload": ("distributed.offload_state", _OFFLOAD),
+    "critic.model.fsdp_config.grad_offload": ("distributed.offload_state", _OFFLOAD),
+    "critic.model.fsdp_config.optimizer_offload": ("distributed.offload_state", _OFFLOAD),
     # the algorithm
     "algorithm.adv_estimator": ("credit.estimator", "gae is ppo (or pica), grpo is grpo"),
     "algorithm.gamma": ("credit.gamma", "GAE discount (ppo, pica); verl-agent's GiGPO reads it as the step "

@@ -56,7 +56,9 @@ class PhaseManager:
     this process is refused when the judge is built). ``judge_in_rollout``: that engine answers during the
     rollout too (ProCeed's critic, between the policy's turns), so the rollout phase wakes it instead of putting it
     to sleep (the HF engine's sleep moves its model to the host). ``move_state``: whether offload /
-    reload run (default: colocated on CUDA; on the CPU there is nothing to free).
+    reload run (default: colocated on CUDA; on the CPU there is nothing to free; False with
+    ``distributed.offload_state=false``, which keeps the state on the GPU and only empties torch's cache for the
+    engines).
     ``timings`` collects the seconds of each switch, sync and move since the last ``take_timings()``.
     """
 
@@ -125,6 +127,10 @@ class PhaseManager:
                     engine.reload() if on_device else engine.offload()
                 if not on_device and torch.cuda.is_available():
                     torch.cuda.empty_cache()
+        elif not on_device and self.colocate and self.device.type == "cuda":
+            # the state stays (distributed.offload_state=false), but the blocks the update's activations left in
+            # torch's cache go back to the driver, where the waking engine allocates
+            torch.cuda.empty_cache()
         self.train_on_device = on_device
 
     def mark_updated(self, version: Optional[int] = None) -> None:

@@ -100,7 +100,8 @@ def build_parts(cfg: TrainConfig, info, out_dir: str, say: Callable[[str], None]
                           cfg.judges.sleep_level, cfg.distributed.colocate,
                           sync_fn=lambda trained: engine.update_weights(trained.full_state(engine.weight_dtype)),
                           log=log_memory, judge_weights=getattr(backend, "weights", None),
-                          train_on_device=not offloaded, judge_in_rollout=cfg.rollout.proceed.enabled)
+                          train_on_device=not offloaded, judge_in_rollout=cfg.rollout.proceed.enabled,
+                          move_state=None if cfg.distributed.offload_state else False)
     if start.load_format == "dummy":
         phases.mark_updated()  # the engine started without weights: the first rollout streams them in
     return Parts(data, tokenizer, searcher, retriever, policy, value, ref, engine, proceed_hook, judges, phases,
@@ -363,14 +364,15 @@ def vllm_memory_share(cfg: TrainConfig, device: torch.device, folder: str, train
     A fixed ``rollout.gpu_memory_utilization`` is checked against what is free; 0 (auto) is
     what is free once the training state (``train_state``: TrainEngines, offloaded here when
     colocated, as during every rollout) is off the GPU, minus ``rollout.memory_margin_gib``
-    (``fastcredit.trainer.memory.engine_memory_utilization``). The figures go to ``say``.
+    (``fastcredit.trainer.memory.engine_memory_utilization``); with ``distributed.offload_state=false`` the state
+    stays, and the config checks ask for a fixed share. The figures go to ``say``.
     """
     from fastcredit.trainer import memory
 
     r = cfg.rollout
     if device.type != "cuda":
         return r.gpu_memory_utilization, False
-    offloaded = cfg.distributed.colocate
+    offloaded = cfg.distributed.colocate and cfg.distributed.offload_state
     if offloaded:
         for engine in train_state:
             engine.offload()

@@ -164,6 +164,19 @@ def test_meaningful_specials_are_accepted():
         load_config(None, ["distributed.shard_size=0"])
 
 
+def test_a_kept_training_state_with_vllm_needs_a_fixed_share():
+    """distributed.offload_state=false keeps the training state beside vLLM, whose automatic share would be measured
+    before the optimizer state exists: a fixed share is asked for; the HF engine, or no colocation, needs none."""
+    keep = ["distributed.offload_state=false", "rollout.engine=vllm"]
+    with pytest.raises(ConfigError, match="distributed.offload_state=false with rollout.engine=vllm needs a fixed "
+                                          "rollout.gpu_memory_utilization"):
+        load_config(None, keep)
+    assert load_config(None, [*keep, "rollout.gpu_memory_utilization=0.4"]).distributed.offload_state is False
+    assert load_config(None, ["distributed.offload_state=false", "rollout.engine=hf"]).rollout.engine == "hf"
+    assert load_config(None, [*keep, "distributed.colocate=false"]).distributed.colocate is False
+    assert load_config(None, ["rollout.engine=vllm"]).distributed.offload_state is True  # the default moves it
+
+
 def test_a_range_error_names_the_yaml_line(tmp_path):
     p = tmp_path / "x.yaml"
     p.write_text("seed: 1\noptim:\n  lr: 1.0e-3\n  grad_clip: -1\n")

@@ -158,6 +158,35 @@ def test_a_frozen_model_is_on_the_device_only_while_used():
     assert not ref.on_device and log[-2:] == ["reload", "offload"]
 
 
+def test_a_kept_training_state_never_moves_but_the_cache_empties_for_the_engine(monkeypatch):
+    """distributed.offload_state=false on a GPU (move_state=False): the sync reads the shards where they stay, no
+    offload or reload, the reference stays too, and torch's cached blocks go back to the driver as training ends;
+    the default on a GPU (move_state None) offloads. Nothing here touches CUDA: empty_cache is counted."""
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("fastcredit.distributed.colocate.gpu_memory", lambda device=None: {})
+    gpu = torch.device("cuda", 0)
+    # moved: the state out for the first rollout, back for training, the reference in and out around its pass,
+    # the state out after the sync
+    for move_state, moves in ((False, []), (None, ["offload", "reload", "reload", "offload", "offload"])):
+        log, emptied[:] = [], []
+        engine, state, ref = Engine("engine", log), TrainState(log), TrainState(log)
+        pm = PhaseManager(engine, train_state=[state], device=gpu, move_state=move_state,
+                          sync_fn=lambda p: engine.update_weights(p.full_state()))
+        assert pm.move_state is (move_state is None)
+        with pm.rollout(weights=state):
+            assert engine.holds is None
+        with pm.train():
+            with pm.using(ref):
+                assert ref.on_device
+        pm.mark_updated()
+        with pm.rollout(weights=state):
+            assert engine.holds == "policy"
+        assert [e for e in log if e in ("offload", "reload")] == moves
+        assert len(emptied) == 2  # each time the rollout starts (the state left, or stayed and only the cache went)
+
+
 def test_own_engine_and_switched_weights_are_exclusive():
     with pytest.raises(ValueError, match="not both"):
         PhaseManager(Engine("p", []), Engine("c", []), judge_weights=Critic())
