@@ -101,11 +101,18 @@ def build_parts(cfg: TrainConfig, info, out_dir: str, say: Callable[[str], None]
                           sync_fn=lambda trained: engine.update_weights(trained.full_state(engine.weight_dtype)),
                           log=log_memory, judge_weights=getattr(backend, "weights", None),
                           train_on_device=not offloaded, judge_in_rollout=cfg.rollout.proceed.enabled,
-                          move_state=None if cfg.distributed.offload_state else False)
+                          move_state=moves_training_state(cfg, info))
     if start.load_format == "dummy":
         phases.mark_updated()  # the engine started without weights: the first rollout streams them in
     return Parts(data, tokenizer, searcher, retriever, policy, value, ref, engine, proceed_hook, judges, phases,
                  memory)
+
+
+def moves_training_state(cfg: TrainConfig, info) -> bool:
+    """Whether the training state and the reference policy leave the GPU while the engines roll out and judge:
+    colocated on a GPU with ``distributed.offload_state`` (the phase manager's ``move_state``; the reference starts
+    on the host exactly when its passes will bring it in)."""
+    return cfg.distributed.colocate and cfg.distributed.offload_state and info.device.type == "cuda"
 
 
 def build_models(cfg: TrainConfig, info, lm, tokenizer, out_dir: str,
@@ -126,7 +133,7 @@ def build_models(cfg: TrainConfig, info, lm, tokenizer, out_dir: str,
         else EngineStart()
     ref = FrozenModel(PolicyModel(frozen_copy(lm, dtype), impl), info) \
         if cfg.loss.kl_coef or cfg.credit.kl_in_reward else None
-    if ref is not None and engine and cfg.distributed.colocate and info.device.type == "cuda":
+    if ref is not None and engine and moves_training_state(cfg, info):
         ref.offload()  # on the GPU only for its passes (PhaseManager.using); a split placement's stays there
     # copied before the policy's engine shards lm (ZeRO-3 leaves empty placeholders behind)
     value_lm = frozen_copy(lm).requires_grad_(True).train() if estimator_needs(cfg.credit.estimator).value_model \
