@@ -141,6 +141,19 @@ def test_without_colocation_nothing_sleeps_and_the_hf_engine_has_no_share():
     assert debug.utilization is None and debug.ok and "index" not in debug.phases["train"]
 
 
+def test_a_kept_training_state_sits_beside_the_engine_which_still_sleeps():
+    keep = ["distributed.offload_state=false", "rollout.gpu_memory_utilization=0.5"]
+    plan = memory.plan(load_config(CRITIC, keep), 80, 8)
+    moved = memory.plan(load_config(CRITIC, ["rollout.gpu_memory_utilization=0.5"]), 80, 8)
+    assert plan.phases["rollout"]["policy"] == 16 * 3_085_938_688 // 8 and "policy" not in moved.phases["rollout"]
+    assert "reference" in plan.phases["sync"] and "reference" not in moved.phases["sync"]
+    assert "asleep" in plan.phases["train"]  # unlike colocate=false, the engine still sleeps for training
+    assert any("offload_state=false" in n for n in plan.notes)
+    for phase in ("rollout", "judge"):
+        assert not {"offloaded", "reference"} & set(plan.host.phases[phase]), phase
+        assert "offloaded" in moved.host.phases[phase]
+
+
 def test_index_rows_come_from_the_faiss_header(tmp_path):
     path = tmp_path / "x.index"
     rows, dim = 5000, 32

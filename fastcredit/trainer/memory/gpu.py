@@ -32,7 +32,8 @@ plus:
 
 The index and the vLLM share: ``fastcredit.trainer.memory.retrieval`` and ``fastcredit.trainer.memory.vllm_share``.
 distributed.colocate=false: nothing sleeps or moves, so the training state sits beside the
-engine in every phase. Host RAM per node: ``fastcredit.trainer.memory.host``.
+engine in every phase; distributed.offload_state=false: the engines sleep, but the training state and the reference
+sit beside the engine the same way. Host RAM per node: ``fastcredit.trainer.memory.host``.
 """
 from __future__ import annotations
 
@@ -258,7 +259,8 @@ def plan(cfg, gpu_gib: float, gpus: int, shape: Optional[ModelShape] = None, ind
     resident = resident_bytes(cfg, gpus, result, idx)
     state = gpu_training_state(cfg, shape, shard)
     reference = {"reference": reference_bytes(cfg, shape, shard)} if uses_reference(cfg) else {}
-    stays = {} if dcfg.colocate else {**state, **reference}  # colocate=false: nothing moves off the GPU
+    moves = dcfg.colocate and dcfg.offload_state  # colocate=false or offload_state=false: the state stays
+    stays = {} if moves else {**state, **reference}
     engine = rollout_engine(result, cfg, shape, total - sum(resident.values()) - sum(stays.values()), total)
     result.phases["rollout"] = {**resident, **stays, **engine}
     check_kv_cache(result, math.ceil(cfg.optim.batch_prompts / gpus) * cfg.rollout.n_samples)
@@ -271,10 +273,13 @@ def plan(cfg, gpu_gib: float, gpus: int, shape: Optional[ModelShape] = None, ind
     result.phases["train"] = {**resident, **asleep, **state, **reference, "gather": gather_bytes(shape, dcfg),
                               "activations": activation_bytes(shape, dcfg, cfg.optim.micro_batch_tokens)}
     # weight sync: engine weights woken while the training state is still on the GPU
-    result.phases["sync"] = {**resident, **asleep, **state, **({} if dcfg.colocate else reference),
+    result.phases["sync"] = {**resident, **asleep, **state, **({} if moves else reference),
                              "weights": engine["weights"], "stream": shape.vocab * shape.hidden * 6}
     if not dcfg.colocate:
         result.notes.append("distributed.colocate=false: nothing sleeps, the training state stays beside the engine")
+    elif not dcfg.offload_state:
+        result.notes.append("distributed.offload_state=false: the training state and the reference stay on the GPU "
+                            "beside the engine")
     for phase in PHASES:
         if phase in result.phases and result.total(phase) > total:
             result.add_problem(f"{phase} phase needs {gib_text(result.total(phase))} GiB of a {gpu_gib:g} GiB GPU: "

@@ -39,6 +39,8 @@ OS and everything else on it: 5%, at least 4 GiB. Pinned and pageable copies cou
   its own).
 
 distributed.colocate=false: nothing sleeps or moves; the resident rows and cpu_offload remain.
+distributed.offload_state=false: the engines sleep as colocated, but the training state and the reference stay on
+the GPU (no offloaded rows).
 """
 from __future__ import annotations
 
@@ -167,7 +169,7 @@ def startup_rows(cfg, shape: ModelShape, gpus: int, shard: int) -> dict:
         rows["copy"] = 4 * shape.params
     if hf_engine and (reference or value) and not reads_on_rank0_only(cfg, gpus):
         rows["engine_copy"] = (2 if cfg.distributed.mixed_precision else 4) * shape.params
-    if reference and value and cfg.distributed.colocate:
+    if reference and value and cfg.distributed.colocate and cfg.distributed.offload_state:
         rows["reference"] = reference_bytes(cfg, shape, shard)
     return rows
 
@@ -175,11 +177,12 @@ def startup_rows(cfg, shape: ModelShape, gpus: int, shard: int) -> dict:
 def phase_rows(cfg, shape: ModelShape, shard: int, phase: str, judge: JudgeSetup) -> dict:
     """What ``phase`` adds in host memory: what colocation moved off the GPU, and the critic's host copies."""
     dcfg, rows = cfg.distributed, {}
-    if dcfg.colocate and phase in ("rollout", "judge"):
+    moves = dcfg.colocate and dcfg.offload_state  # what distributed.offload_state=false keeps on the GPU stays
+    if moves and phase in ("rollout", "judge"):
         state = 0 if dcfg.cpu_offload else sum(training_state_bytes(cfg, shape, shard).values())
         if state + zero2_bytes(dcfg, shape):
             rows["offloaded"] = state + zero2_bytes(dcfg, shape)
-    if dcfg.colocate and phase != "train" and uses_reference(cfg):
+    if moves and phase != "train" and uses_reference(cfg):
         rows["reference"] = reference_bytes(cfg, shape, shard)
     if judge.mode == "switch":
         rows["critic"] = 2 * judge.critic.params
