@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from fastcredit.trainer.memory import host
-from fastcredit.trainer.memory.parts import (JudgeSetup, judge_setup, reference_bytes, shard_group,
+from fastcredit.trainer.memory.parts import (JudgeSetup, judge_setup, reference_bytes, shard_group, state_moves,
                                              training_state_bytes, uses_reference, zero2_bytes)
 from fastcredit.trainer.memory.retrieval import (IndexSize, encoder_size, index_bytes_per_rank, index_size,
                                                  token_store_bytes, token_store_fits_gpu)
@@ -259,7 +259,7 @@ def plan(cfg, gpu_gib: float, gpus: int, shape: Optional[ModelShape] = None, ind
     resident = resident_bytes(cfg, gpus, result, idx)
     state = gpu_training_state(cfg, shape, shard)
     reference = {"reference": reference_bytes(cfg, shape, shard)} if uses_reference(cfg) else {}
-    moves = dcfg.colocate and dcfg.offload_state  # colocate=false or offload_state=false: the state stays
+    moves = state_moves(dcfg)  # colocate=false or offload_state=false: the state stays
     stays = {} if moves else {**state, **reference}
     engine = rollout_engine(result, cfg, shape, total - sum(resident.values()) - sum(stays.values()), total)
     result.phases["rollout"] = {**resident, **stays, **engine}

@@ -48,7 +48,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from fastcredit.trainer.memory.parts import (JudgeSetup, reference_bytes, shard_group, trained_params,
+from fastcredit.trainer.memory.parts import (JudgeSetup, reference_bytes, shard_group, state_moves, trained_params,
                                              training_state_bytes, uses_reference, zero2_bytes)
 from fastcredit.trainer.memory.retrieval import (IndexSize, encoder_size, index_bytes_per_rank, token_store_bytes,
                                          token_store_fits_gpu)
@@ -169,7 +169,7 @@ def startup_rows(cfg, shape: ModelShape, gpus: int, shard: int) -> dict:
         rows["copy"] = 4 * shape.params
     if hf_engine and (reference or value) and not reads_on_rank0_only(cfg, gpus):
         rows["engine_copy"] = (2 if cfg.distributed.mixed_precision else 4) * shape.params
-    if reference and value and cfg.distributed.colocate and cfg.distributed.offload_state:
+    if reference and value and state_moves(cfg.distributed):
         rows["reference"] = reference_bytes(cfg, shape, shard)
     return rows
 
@@ -177,7 +177,7 @@ def startup_rows(cfg, shape: ModelShape, gpus: int, shard: int) -> dict:
 def phase_rows(cfg, shape: ModelShape, shard: int, phase: str, judge: JudgeSetup) -> dict:
     """What ``phase`` adds in host memory: what colocation moved off the GPU, and the critic's host copies."""
     dcfg, rows = cfg.distributed, {}
-    moves = dcfg.colocate and dcfg.offload_state  # what distributed.offload_state=false keeps on the GPU stays
+    moves = state_moves(dcfg)  # what distributed.offload_state=false keeps on the GPU stays
     if moves and phase in ("rollout", "judge"):
         state = 0 if dcfg.cpu_offload else sum(training_state_bytes(cfg, shape, shard).values())
         if state + zero2_bytes(dcfg, shape):

@@ -44,6 +44,12 @@ def zero2_bytes(dcfg, shape: ModelShape) -> int:
     return 2 * shape.params if dcfg.engine == "deepspeed" and dcfg.zero_stage == 2 else 0
 
 
+def state_moves(dcfg) -> bool:
+    """Whether the training state and the reference leave the GPU while the engines work (colocated with
+    ``distributed.offload_state``; the trainer's ``parts.moves_training_state`` on a GPU)."""
+    return dcfg.colocate and dcfg.offload_state
+
+
 def uses_reference(cfg) -> bool:
     """A reference model for a KL term (loss.kl_coef or credit.kl_in_reward)."""
     return cfg.loss.kl_coef > 0 or cfg.credit.kl_in_reward > 0
