@@ -10,7 +10,8 @@ import pytest
 
 from fastcredit.compare.runs import summarize_run, train_command, variants
 from fastcredit.config import load_config
-from fastcredit.compare.report import CREDIT_METRICS, format_markdown, mean_interval, steps_to, summarize
+from fastcredit.compare.report import (BEHAVIOUR_METRICS, CREDIT_METRICS, format_markdown, mean_interval, steps_to,
+                                       summarize)
 from tests import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -141,8 +142,10 @@ def test_variants_and_summaries():
             {"step": 3, "eval/em": 0.4}]
     s = summarize_run(rows)
     no_credit = {name: None for name in CREDIT_METRICS}
+    no_behaviour = {name: None for name in BEHAVIOUR_METRICS}
     assert s == {"eval_em": {"0": 0.1, "3": 0.4}, "steps": 3, "seconds_per_step": 4.0, "judge_calls_per_step": 14 / 3,
-                 "against_outcome_frac": 0.25, "credit": no_credit, "credit_labels": None}
+                 "against_outcome_frac": 0.25, "credit": no_credit, "credit_labels": None,
+                 "behaviour_start": no_behaviour, "behaviour": no_behaviour}
     mean, half = mean_interval([0.2, 0.4, 0.6])
     assert mean == pytest.approx(0.4) and half == pytest.approx(4.303 * 0.2 / 3 ** 0.5, rel=1e-3)
     assert mean_interval([0.5]) == (0.5, None)
@@ -214,6 +217,33 @@ def test_credit_metrics_are_averaged_over_steps_then_seeds_with_their_labels():
     assert t["pica"]["credit_vs_grpo_seeds"]["turn_auc"] == 2 and "credit_vs_grpo" not in t["grpo"]
     md = format_markdown({"threshold": 0.6, "methods": t}, "cpu", "x")
     assert "| pica | 2 | +0.150 ± 0.635 | – | +0.000 | – | – | +0.188 ± 0.794 |" in md
+
+
+def test_behaviour_is_the_first_and_last_stretch_paired_with_grpo():
+    # 25 training steps searching `step` times a trajectory: the first 10 average 5.5, the last 10 (16..25) 20.5;
+    # an evaluation line is not a training step, and a step that did not log a metric is not a zero
+    rows = [{"step": k, "reward": 0.5, "searches_per_traj": float(k), **({"em": 0.2} if k == 1 else {})}
+            for k in range(1, 26)] + [{"step": 25, "eval/em": 0.5, "searches_per_traj": 99.0}]
+    s = summarize_run(rows)
+    assert s["behaviour_start"]["searches_per_traj"] == pytest.approx(5.5)
+    assert s["behaviour"]["searches_per_traj"] == pytest.approx(20.5)
+    assert s["behaviour_start"]["em"] == 0.2 and s["behaviour"]["em"] is None
+    assert s["behaviour"]["turns_per_traj"] is None
+    run = {"eval_em": {"0": 0.5, "20": 0.6}, "steps": 20, "seconds_per_step": 1.0, "judge_calls_per_step": 0.0}
+    at = lambda k, start, end: {**run, "seed": k, "behaviour_start": {"searches_per_traj": start},  # noqa: E731
+                                "behaviour": {"searches_per_traj": end}}
+    t = summarize({"grpo": [at(0, 2.0, 2.6), at(1, 2.0, 2.8), at(2, 2.0, 2.7)],
+                   "gigpo": [at(0, 2.1, 2.5), at(1, 2.1, 2.6), at(3, 2.1, 2.0)]}, None)["methods"]
+    assert t["grpo"]["behaviour"]["searches_per_traj"] == pytest.approx(2.7)
+    assert t["grpo"]["behaviour_ci95"]["searches_per_traj"] == pytest.approx(4.303 * 0.1 / 3 ** 0.5, rel=1e-3)
+    assert t["gigpo"]["behaviour_start"]["searches_per_traj"] == pytest.approx(2.1)
+    # paired by seed: seeds 0 and 1 (-0.1, -0.2); GiGPO's seed 3 has no GRPO run
+    assert t["gigpo"]["behaviour_vs_grpo"]["searches_per_traj"] == pytest.approx(-0.15)
+    assert t["gigpo"]["behaviour_vs_grpo_ci95"]["searches_per_traj"] == pytest.approx(12.706 * 0.05, rel=1e-3)
+    assert t["gigpo"]["behaviour_vs_grpo_seeds"]["searches_per_traj"] == 2 and "behaviour_vs_grpo" not in t["grpo"]
+    md = format_markdown({"threshold": 0.6, "methods": t}, "cpu", "x")
+    assert "| grpo | 2.000 → 2.700 ± 0.248 | – → – | – → – |" in md
+    assert "| gigpo | 2 | -0.150 ± 0.635 | – | – | – | – |" in md
 
 
 def test_status_lines_of_a_run_are_relayed_and_its_step_table_is_not(tmp_path, capsys):

@@ -7,8 +7,10 @@ with its paired difference to GRPO, the steps to reach a threshold EM (mean over
 and how many do; paired with GRPO over the seeds where both reach it), how often the method's credit goes
 against the trajectory's outcome, the median seconds per step and judge calls per step; then the credit
 accuracy per turn (``CREDIT_METRICS``: each run's mean over its training steps, then mean ± 95% interval over
-seeds, with the labels they were measured against) and its paired difference to GRPO. Written to
-``<out>/compare_<name>_<device>.{md,json,png}``.
+seeds, with the labels they were measured against) and its paired difference to GRPO; then what the policy does
+at the start and at the end of training (``BEHAVIOUR_METRICS``: searches, turns and response tokens per trajectory,
+sampled EM, well-formed share, each the mean over the first and the last ``STRETCH`` training steps), the end paired
+with GRPO. Written to ``<out>/compare_<name>_<device>.{md,json,png}``.
 """
 from __future__ import annotations
 
@@ -31,6 +33,12 @@ CREDIT_METRICS = {"turn_auc": "turn AUC", "turn_auc_within": "AUC within traject
                   "miscredit_frac/good_in_failure": "good search in failure, A < 0",
                   "degenerate_adv_share": "advantage mass in same-outcome groups",
                   "all_fail_group_frac": "all-fail groups"}
+# What the sampled policy does (metrics.jsonl's training-step names) and their headers: the third table. A policy
+# that keeps wasted searches which still succeed (what the turn-level papers say outcome-only GRPO reinforces)
+# makes more searches and turns per trajectory for the same EM.
+BEHAVIOUR_METRICS = {"searches_per_traj": "searches / trajectory", "turns_per_traj": "turns / trajectory",
+                     "response_tokens_mean": "response tokens", "em": "sampled EM", "format_ok": "well-formed"}
+STRETCH = 10  # training steps averaged at the start and at the end of a run for the third table
 
 
 def mean_interval(xs: list[float]) -> tuple[float, Optional[float]]:
@@ -73,11 +81,23 @@ def credit_summary(rows: list[dict]) -> tuple[dict, Optional[str]]:
     return means, None
 
 
+def behaviour_summary(rows: list[dict], steps: int) -> tuple[dict, dict]:
+    """``(start, end)``: each of ``BEHAVIOUR_METRICS`` averaged over the training steps 1..``STRETCH`` and over the
+    last ``STRETCH`` (after ``steps - STRETCH``); None where no such step logged it."""
+    def mean_of(key: str, keep) -> Optional[float]:
+        xs = [float(r[key]) for r in rows if "reward" in r and key in r and keep(int(r.get("step", 0)))]
+        return sum(xs) / len(xs) if xs else None
+
+    return ({name: mean_of(name, lambda s: s <= STRETCH) for name in BEHAVIOUR_METRICS},
+            {name: mean_of(name, lambda s: s > steps - STRETCH) for name in BEHAVIOUR_METRICS})
+
+
 def summarize_run(rows: list[dict]) -> dict:
     """From a run's metrics lines: held-out EM by step, the median seconds per step (a run paused or sharing its
     cores for a while moves a median least), judge calls per step and share of advantage tokens against their
-    trajectory's outcome (``credit/against_outcome_frac``) over the training steps, and the credit-accuracy means
-    (``credit``) with their labels (``credit_labels``; :func:`credit_summary`)."""
+    trajectory's outcome (``credit/against_outcome_frac``) over the training steps, the credit-accuracy means
+    (``credit``) with their labels (``credit_labels``; :func:`credit_summary`), and what the policy did at the start
+    and at the end (``behaviour_start``, ``behaviour``; :func:`behaviour_summary`)."""
     em = {}
     secs, calls, against, steps = [], [], [], 0
     for r in rows:
@@ -94,10 +114,11 @@ def summarize_run(rows: list[dict]) -> dict:
                              if k.endswith("/requests") or k == "proceed/critiqued_steps"))
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     credit, labels = credit_summary(rows)
+    start, end = behaviour_summary(rows, steps)
     return {"eval_em": {str(k): em[k] for k in sorted(em)}, "steps": steps,
             "seconds_per_step": statistics.median(secs) if secs else None,
             "judge_calls_per_step": mean(calls) or 0.0, "against_outcome_frac": mean(against),
-            "credit": credit, "credit_labels": labels}
+            "credit": credit, "credit_labels": labels, "behaviour_start": start, "behaviour": end}
 
 
 def load_results(runs: str, labels: list[str]) -> dict[str, list[dict]]:
@@ -183,36 +204,64 @@ def summarize(results: dict[str, list[dict]], threshold: Optional[float]) -> dic
             "judge_calls_per_step": sum(r["judge_calls_per_step"] for r in rows) / len(rows),
             **credit_over_seeds(rows),
             **(credit_vs_grpo(rows, grpo) if other else {}),
+            **behaviour_over_seeds(rows),
+            **(behaviour_vs_grpo(rows, grpo) if other else {}),
         }
     return {"threshold": threshold, "methods": table}
+
+
+def _field_vs_grpo(rows: list[dict], grpo: list[dict], field: str, names, labelled: bool = False) -> tuple:
+    """``(means, half-widths, seeds)``: each of ``names`` in each run's ``field`` dict as the mean difference to
+    GRPO's run of the same seed and its 95% half-width, over the seeds where both runs have it (``labelled``: and
+    measured it against the same labels)."""
+    means, cis, seeds = {}, {}, {}
+    labels = {r["seed"]: r.get("credit_labels") for r in grpo}
+    for name in names:
+        base = {r["seed"]: (r.get(field) or {}).get(name) for r in grpo}
+        base = {k: v for k, v in base.items() if v is not None}
+        same = [r for r in rows if r["seed"] in base and (not labelled or r.get("credit_labels") == labels[r["seed"]])]
+        diffs, means[name], cis[name] = _paired(same, base, lambda r, n=name: (r.get(field) or {}).get(n))
+        seeds[name] = len(diffs)
+    return means, cis, seeds
+
+
+def _field_over_seeds(rows: list[dict], field: str, names) -> tuple[dict, dict]:
+    """``(means, half-widths)``: each of ``names`` in each run's ``field`` dict over the seeds that have it (None
+    without any)."""
+    per = {name: [r[field][name] for r in rows if (r.get(field) or {}).get(name) is not None] for name in names}
+    stats = {name: mean_interval(xs) if xs else (None, None) for name, xs in per.items()}
+    return {k: v[0] for k, v in stats.items()}, {k: v[1] for k, v in stats.items()}
 
 
 def credit_vs_grpo(rows: list[dict], grpo: list[dict]) -> dict:
     """``credit_vs_grpo`` / ``credit_vs_grpo_ci95`` / ``credit_vs_grpo_seeds``: each of ``CREDIT_METRICS`` as the
     mean difference to GRPO's run of the same seed and its 95% half-width, over the seeds where both runs logged it
     against the same labels (a difference between the gold labels and a judge's would compare two rulers)."""
-    out = {"credit_vs_grpo": {}, "credit_vs_grpo_ci95": {}, "credit_vs_grpo_seeds": {}}
-    for name in CREDIT_METRICS:
-        base = {r["seed"]: (r.get("credit") or {}).get(name) for r in grpo}
-        labels = {r["seed"]: r.get("credit_labels") for r in grpo}
-        base = {k: v for k, v in base.items() if v is not None}
-        same = [r for r in rows if r["seed"] in base and r.get("credit_labels") == labels[r["seed"]]]
-        diffs, mean, ci = _paired(same, base, lambda r, n=name: (r.get("credit") or {}).get(n))
-        out["credit_vs_grpo"][name], out["credit_vs_grpo_ci95"][name] = mean, ci
-        out["credit_vs_grpo_seeds"][name] = len(diffs)
-    return out
+    vs = _field_vs_grpo(rows, grpo, "credit", CREDIT_METRICS, labelled=True)
+    return dict(zip(("credit_vs_grpo", "credit_vs_grpo_ci95", "credit_vs_grpo_seeds"), vs))
 
 
 def credit_over_seeds(rows: list[dict]) -> dict:
     """``credit`` / ``credit_ci95``: each of ``CREDIT_METRICS`` as mean and 95% half-width over the seeds that
     logged it (None without any); ``credit_labels``: the labels the seeds used (``gold``, a judge, or several
     joined by ``+``; None without any). A result.json written before these metrics existed has none."""
-    per = {name: [r["credit"][name] for r in rows if (r.get("credit") or {}).get(name) is not None]
-           for name in CREDIT_METRICS}
-    stats = {name: mean_interval(xs) if xs else (None, None) for name, xs in per.items()}
+    credit, ci = _field_over_seeds(rows, "credit", CREDIT_METRICS)
     labels = sorted({r["credit_labels"] for r in rows if r.get("credit_labels")})
-    return {"credit": {k: v[0] for k, v in stats.items()}, "credit_ci95": {k: v[1] for k, v in stats.items()},
-            "credit_labels": "+".join(labels) or None}
+    return {"credit": credit, "credit_ci95": ci, "credit_labels": "+".join(labels) or None}
+
+
+def behaviour_over_seeds(rows: list[dict]) -> dict:
+    """``behaviour_start`` (means) and ``behaviour`` / ``behaviour_ci95`` (the end: means and 95% half-widths)
+    over the seeds, each of ``BEHAVIOUR_METRICS``."""
+    start, _ = _field_over_seeds(rows, "behaviour_start", BEHAVIOUR_METRICS)
+    end, ci = _field_over_seeds(rows, "behaviour", BEHAVIOUR_METRICS)
+    return {"behaviour_start": start, "behaviour": end, "behaviour_ci95": ci}
+
+
+def behaviour_vs_grpo(rows: list[dict], grpo: list[dict]) -> dict:
+    """``behaviour_vs_grpo`` / ``_ci95`` / ``_seeds``: the end of ``BEHAVIOUR_METRICS`` paired with GRPO by seed."""
+    vs = _field_vs_grpo(rows, grpo, "behaviour", BEHAVIOUR_METRICS)
+    return dict(zip(("behaviour_vs_grpo", "behaviour_vs_grpo_ci95", "behaviour_vs_grpo_seeds"), vs))
 
 
 def _fmt(x: Optional[float], spec: str = ".3f") -> str:
@@ -247,7 +296,7 @@ def format_markdown(summary: dict, device: str, name: str) -> str:
                      f"{_pm(t.get('steps_to_threshold_vs_grpo'), t.get('steps_to_threshold_vs_grpo_ci95'), '+.1f')} | "
                      f"{_fmt(t['against_outcome_frac'], '.3f')} | "
                      f"{_fmt(t['seconds_per_step'], '.1f')} | {t['judge_calls_per_step']:.0f} |")
-    return "\n".join(lines + [""] + credit_markdown(summary)) + "\n"
+    return "\n".join(lines + [""] + credit_markdown(summary) + [""] + behaviour_markdown(summary)) + "\n"
 
 
 def credit_markdown(summary: dict) -> list[str]:
@@ -279,6 +328,33 @@ def credit_markdown(summary: dict) -> list[str]:
         vs, ci = t["credit_vs_grpo"], t["credit_vs_grpo_ci95"]
         cells = [_pm(vs.get(name), ci.get(name), "+.3f") for name in CREDIT_METRICS]
         lines.append(f"| {label} | {max(t['credit_vs_grpo_seeds'].values())} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def behaviour_markdown(summary: dict) -> list[str]:
+    """The third table's lines: what the sampled policy does at the start and at the end, and the end paired with
+    GRPO (``BEHAVIOUR_METRICS``)."""
+    spec = lambda name: ".1f" if name == "response_tokens_mean" else ".3f"  # noqa: E731
+    lines = ["## What the policy does", "",
+             f"Over the sampled training trajectories: the mean over the first {STRETCH} training steps → the mean "
+             f"over the last {STRETCH}, each averaged over seeds, the end ± its 95% interval. *Well-formed*: the "
+             "share of trajectories that follow the tag format. –: the runs logged none.", "",
+             "| method | " + " | ".join(BEHAVIOUR_METRICS.values()) + " |", "|---|" + "---:|" * len(BEHAVIOUR_METRICS)]
+    for label, t in summary["methods"].items():
+        start, end, ci = t.get("behaviour_start") or {}, t.get("behaviour") or {}, t.get("behaviour_ci95") or {}
+        cells = [f"{_fmt(start.get(n), spec(n))} → {_pm(end.get(n), ci.get(n), spec(n))}" for n in BEHAVIOUR_METRICS]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    paired = [(label, t) for label, t in summary["methods"].items()
+              if any(t.get("behaviour_vs_grpo_seeds", {}).values())]
+    if paired:
+        lines += ["", f"The last {STRETCH} steps' means as the per-seed difference to GRPO's run of the same seed ± "
+                  "its 95% interval.", "",
+                  "| method | seeds | " + " | ".join(BEHAVIOUR_METRICS.values()) + " |",
+                  "|---|---:|" + "---:|" * len(BEHAVIOUR_METRICS)]
+        for label, t in paired:
+            vs, ci = t["behaviour_vs_grpo"], t["behaviour_vs_grpo_ci95"]
+            cells = [_pm(vs.get(n), ci.get(n), "+" + spec(n)) for n in BEHAVIOUR_METRICS]
+            lines.append(f"| {label} | {max(t['behaviour_vs_grpo_seeds'].values())} | " + " | ".join(cells) + " |")
     return lines
 
 

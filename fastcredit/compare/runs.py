@@ -20,7 +20,8 @@ seed, every method of a seed before the next seed, so a comparison stopped part-
 The report (``fastcredit.compare.report``) goes to ``<out>/compare_<name>_<device>.{md,json,png}``:
 held-out EM per method (mean ± 95% interval over seeds), the difference to GRPO paired by seed,
 steps to reach a threshold EM, how often the credit goes against the outcome, seconds per step
-and judge calls per step.
+and judge calls per step; the credit accuracy per turn; what the sampled policy does at the start and at the end
+(searches, turns and tokens per trajectory, sampled EM, well-formed share).
 Exit status: 0 done, 1 a run failed (its log is named), 2 bad arguments or config.
 """
 from __future__ import annotations
