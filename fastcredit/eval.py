@@ -365,7 +365,7 @@ def main(argv: Optional[list] = None) -> int:
     """The command; under torchrun (``torchrun --nproc_per_node=8 -m fastcredit.eval ...``) every rank evaluates
     its shard of the questions and rank 0 prints the table."""
     from fastcredit.config.help import take_flags
-    from fastcredit.distributed.process_group import init_distributed, shutdown
+    from fastcredit.distributed.process_group import init_distributed, rank_failure_ends_job, shutdown
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -381,11 +381,14 @@ def main(argv: Optional[list] = None) -> int:
         model = opts["--model"]
         cfg = model_config(model, rest)
         in_domain = opts.get("--in-domain")
-        res = evaluate(cfg, model, step=opts.get("--step"), data=opts.get("--data"), split=opts.get("--split", "test"),
-                       limit=opts.get("--limit"), in_domain=None if in_domain is None else
-                       [s.strip() for s in in_domain.split(",") if s.strip()], engine=opts.get("--engine", "auto"),
-                       batch=opts.get("--batch", 256), out=opts.get("--out"), fresh=bool(opts.get("--fresh")),
-                       progress=cfg.logging.progress, info=info)
+        # an input error reaches every rank together (rank0_first); any other failure ends this rank's process
+        with rank_failure_ends_job(info, expected=input_errors()):
+            res = evaluate(cfg, model, step=opts.get("--step"), data=opts.get("--data"),
+                           split=opts.get("--split", "test"), limit=opts.get("--limit"),
+                           in_domain=None if in_domain is None else [s.strip() for s in in_domain.split(",")
+                                                                     if s.strip()],
+                           engine=opts.get("--engine", "auto"), batch=opts.get("--batch", 256), out=opts.get("--out"),
+                           fresh=bool(opts.get("--fresh")), progress=cfg.logging.progress, info=info)
     except input_errors() as exc:
         if info.is_main:
             print(f"eval error: {exc}", file=sys.stderr)

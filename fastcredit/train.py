@@ -27,11 +27,12 @@ import os
 import sys
 from typing import Optional
 
-from fastcredit.config.help import format_usage, handle_help, take_flags
+from fastcredit.config.help import format_usage, handle_help
 from fastcredit.config import ConfigError, load_config, parse_cli
 from fastcredit.config.checks import check_paths
 from fastcredit.credit.needs import check_needs
-from fastcredit.distributed.process_group import init_distributed, shutdown
+from fastcredit.distributed.process_group import init_distributed, rank_failure_ends_job, shutdown
+from fastcredit.trainer.memory.command import memory_report, report_flags
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
 
@@ -47,24 +48,13 @@ FLAGS = """
                       cannot run
   --gpu-gib G         GPU size in GiB (default: the local GPU's, else 80)
   --gpus N            GPUs, one rank each (default: torchrun's WORLD_SIZE, else distributed.gpus, else 1)
-  --host-gib H        host RAM of a node in GiB (default: this machine's MemTotal, /proc/meminfo)
+  --host-gib H        host RAM of a node in GiB (default: this machine's MemTotal where it has a GPU for each
+                      of a node's ranks, else an 8 x H100 DGX node's 2048; the report says which)
   --gpus-per-node N   ranks on a node (default: torchrun's LOCAL_WORLD_SIZE, else the smaller of the GPUs and 8)
   --index-rows N --index-dim D   retrieval index size when its file is not here
 -h, --help [PREFIX]   this help; with PREFIX the config keys under it (rollout, optim.lr, all)
 """
 USAGE = format_usage(SYNOPSIS, __doc__, FLAGS)
-# --memory-report's options and how each value is read
-REPORT_OPTIONS = {"--gpu-gib": float, "--gpus": int, "--index-rows": int, "--index-dim": int, "--host-gib": float,
-                  "--gpus-per-node": int}
-
-
-def _report_flags(argv: list) -> tuple[Optional[dict], list]:
-    """Take --memory-report and its options out of ``argv``: (options or None, the rest)."""
-    opts, rest = take_flags(argv, {**REPORT_OPTIONS, "--memory-report": None})
-    report = opts.pop("--memory-report", False)
-    if opts and not report:
-        raise ConfigError(f"{', '.join(opts)} only apply with --memory-report")
-    return ({**opts, "report": True} if report else None), rest
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -73,7 +63,7 @@ def main(argv: Optional[list] = None) -> int:
     resume, profile = "--resume" in argv, "--profile" in argv
     argv = [a for a in argv if a not in ("--resume", "--profile")]
     try:
-        report, argv = _report_flags(argv)
+        report, argv = report_flags(argv)
         path, overrides = parse_cli(argv)
         cfg = load_config(path or DEFAULT_CONFIG, overrides)
         check_needs(cfg)  # the estimator's judge, PRM or ProCeed rollouts, before anything loads
@@ -87,7 +77,7 @@ def main(argv: Optional[list] = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    from fastcredit.trainer.loop import CollapseError, Trainer, check_resume
+    from fastcredit.trainer.loop import check_resume
 
     if resume:
         try:
@@ -96,8 +86,16 @@ def main(argv: Optional[list] = None) -> int:
             print(f"config error: {exc}", file=sys.stderr)
             return 2
     info = init_distributed(cfg.distributed.backend, cfg.distributed.shard_size)
-    if cfg.distributed.placement == "split":
-        return split_main(cfg, info, resume, profile)
+    with rank_failure_ends_job(info):  # under torchrun a failing rank must not leave the others waiting on it
+        if cfg.distributed.placement == "split":
+            return split_main(cfg, info, resume, profile)
+        return colocated_main(cfg, info, resume, profile)
+
+
+def colocated_main(cfg, info, resume: bool, profile: bool) -> int:
+    """Every rank rolls out and trains (``fastcredit.trainer.loop.Trainer``), to the end."""
+    from fastcredit.trainer.loop import CollapseError, Trainer
+
     trainer = Trainer(cfg, info, resume=resume, profile=profile)
     try:
         summary = trainer.fit()
@@ -146,73 +144,6 @@ def split_main(cfg, info, resume: bool, profile: bool) -> int:
         _report(trainer, summary)
     shutdown(info)
     return 0
-
-
-def memory_report(cfg, opts: dict) -> int:
-    """Print :func:`fastcredit.trainer.memory.format_plan` for ``cfg``; 0 when it can run, 2 otherwise. No process
-    group, model, data or index is touched (the GPU's size is the one CUDA query, the host's RAM /proc/meminfo)."""
-    from fastcredit.trainer import memory
-
-    gpu_gib = opts.get("--gpu-gib")
-    if gpu_gib is None:
-        import torch
-
-        gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
-    try:
-        gpus, per_node, where, node_where = report_gpus(cfg, opts, os.environ)
-    except ConfigError as exc:
-        print(f"memory report: {exc}", file=sys.stderr)
-        return 2
-    host_gib, source = opts.get("--host-gib"), "--host-gib"
-    if host_gib is None:
-        host_gib, source = memory.machine_memory_gib(), "MemTotal of this machine, /proc/meminfo"
-    try:
-        plan = memory.plan(cfg, gpu_gib, gpus, index_rows=opts.get("--index-rows"),
-                           index_dim=opts.get("--index-dim"), host_gib=host_gib, gpus_per_node=per_node,
-                           host_source=source)
-    except memory.ShapeError as exc:
-        print(f"memory report: {exc}", file=sys.stderr)
-        return 2
-    plan.notes.insert(0, f"GPUs: {gpus} ({where}), {plan.host.ranks_per_node} per node ({node_where})")
-    if cfg.distributed.placement == "split":
-        plan.notes.insert(1, "distributed.placement=split is planned as colocated ranks: an upper bound, since a "
-                             "split job's training ranks hold no engine and its rollout ranks no training state")
-    print(memory.format_plan(plan))
-    return 0 if plan.ok else 2
-
-
-def _env_count(env, name: str) -> int:
-    try:
-        value = int(env[name])
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ConfigError(f"{name}={env[name]!r} in the environment is not a number of GPUs (torchrun sets it to "
-                          "one, two, ...); unset it or pass --gpus")
-    return value
-
-
-def report_gpus(cfg, opts: dict, env) -> tuple[int, Optional[int], str, str]:
-    """``(GPUs, GPUs per node or None for the plan's default, where each came from)`` for --memory-report: --gpus,
-    else torchrun's WORLD_SIZE (with LOCAL_WORLD_SIZE per node), else the config's distributed.gpus, else 1;
-    --gpus-per-node always wins. ConfigError names a value that cannot be."""
-    per_node, node_where = opts.get("--gpus-per-node"), "--gpus-per-node"
-    if opts.get("--gpus") is not None:
-        gpus, name, where = opts["--gpus"], "--gpus", "--gpus"
-        if gpus < 1:
-            raise ConfigError(f"--gpus {gpus} must be at least 1")
-    elif env.get("WORLD_SIZE"):
-        gpus, name, where = _env_count(env, "WORLD_SIZE"), "WORLD_SIZE", "torchrun's WORLD_SIZE"
-        if per_node is None and env.get("LOCAL_WORLD_SIZE"):
-            per_node, node_where = _env_count(env, "LOCAL_WORLD_SIZE"), "torchrun's LOCAL_WORLD_SIZE"
-    elif cfg.distributed.gpus > 0:
-        gpus, name = cfg.distributed.gpus, "distributed.gpus"
-        where = "the config's distributed.gpus; --gpus or torchrun's WORLD_SIZE would come first"
-    else:
-        gpus, name, where = 1, "the GPU count", "none stated by --gpus, WORLD_SIZE or distributed.gpus: one"
-    if per_node is not None and not 0 < per_node <= gpus:
-        raise ConfigError(f"{node_where.split()[-1]} {per_node} must be between 1 and {name} ({gpus})")
-    return gpus, per_node, where, node_where if per_node is not None else "the smaller of the GPUs and 8"
 
 
 def _report(trainer, summary: dict) -> None:

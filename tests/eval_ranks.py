@@ -1,16 +1,26 @@
 """``python -m fastcredit.eval`` as torchrun starts it, with the scripted oracle policy of tests/test_eval.py in
-place of the model's engine (so every rank's answers, and the table, are known), and a chosen rank killed.
+place of the model's engine (so every rank's answers, and the table, are known), and a chosen rank stopped at a
+point every rank has provably reached.
 
-    ORACLE_DATA=test.parquet STARTED_DIR=/tmp/s [KILL_RANK=1 KILL_AFTER=2] \\
-        torchrun --nproc_per_node=2 tests/eval_ranks.py --model M --data test.parquet --batch 5 ...
+    ORACLE_DATA=test.parquet STARTED_DIR=/tmp/s [FAIL_RANK=1 FAIL_AFTER=2 PEER_RECORDS=8 HOLD_AFTER=2 \\
+        FAIL_MODE=kill|raise] torchrun --nproc_per_node=2 tests/eval_ranks.py --model M --data test.parquet ...
 
-Each rank writes how many questions its engine started to ``STARTED_DIR/rank<r>`` when the engine closes.
-``KILL_RANK`` SIGKILLs itself right after saving its ``KILL_AFTER``-th chunk, as a crash or a pre-emption
-would (torchrun then stops the other ranks).
+Each rank writes how many questions its engine started to ``STARTED_DIR/rank<r>`` when the engine closes, and how
+many records it has saved to ``STARTED_DIR/saved<r>`` after each chunk. The handshake, through those files, not
+through timing:
+
+- ``FAIL_RANK``, right after saving its ``FAIL_AFTER``-th chunk, waits until every other rank has saved at least
+  ``PEER_RECORDS`` records, then SIGKILLs itself (``FAIL_MODE=kill``: a crash or a pre-emption; torchrun then stops
+  the other ranks) or raises (``raise``: a bug on one rank, while the others wait for it);
+- every other rank, with ``HOLD_AFTER`` set, stops after saving that many chunks and waits there to be stopped.
+
+A wait that lasts past ``DEADLINE_S`` (default 120) ends the process with status 97, so a broken handshake fails the
+test instead of hanging it.
 """
 import os
 import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,12 +30,14 @@ from fastcredit import eval as E  # noqa: E402
 from fastcredit.data.loaders import load_qa  # noqa: E402
 from fastcredit.trainer import heldout  # noqa: E402
 
-RANK = int(os.environ.get("RANK", "0"))
+RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+DIR = os.environ["STARTED_DIR"]
+DEADLINE_S = float(os.environ.get("DEADLINE_S", "120"))
 
 
 class CountingOracle(OracleEngine):
     def close(self):
-        with open(os.path.join(os.environ["STARTED_DIR"], f"rank{RANK}"), "w") as f:
+        with open(os.path.join(DIR, f"rank{RANK}"), "w") as f:
             f.write(str(self.started))
 
 
@@ -33,17 +45,47 @@ def make(kind, folder, tokenizer, cfg, device):
     return CountingOracle(tokenizer, load_qa(os.environ["ORACLE_DATA"], split="test"))
 
 
+def saved(rank: int) -> int:
+    try:
+        with open(os.path.join(DIR, f"saved{rank}")) as f:
+            return int(f.read())
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def wait_until(ready, what: str) -> None:
+    end = time.monotonic() + DEADLINE_S
+    while not ready():
+        if time.monotonic() > end:
+            print(f"eval_ranks: rank {RANK} waited {DEADLINE_S:.0f} s for {what}", file=sys.stderr, flush=True)
+            os._exit(97)
+        time.sleep(0.05)
+
+
+_add, chunks, records = heldout.PredictionCache.add, [], []
+
+
+def add(self, new):
+    _add(self, new)
+    chunks.append(len(new))
+    tmp = os.path.join(DIR, f".saved{RANK}")
+    with open(tmp, "w") as f:
+        f.write(str(sum(chunks)))
+    os.replace(tmp, os.path.join(DIR, f"saved{RANK}"))
+    fail_rank = int(os.environ.get("FAIL_RANK", "-1"))
+    if RANK == fail_rank and len(chunks) == int(os.environ["FAIL_AFTER"]):
+        need = int(os.environ.get("PEER_RECORDS", "0"))
+        wait_until(lambda: all(saved(r) >= need for r in range(WORLD) if r != RANK),
+                   f"the other ranks to save {need} records")
+        if os.environ.get("FAIL_MODE", "kill") == "raise":
+            raise RuntimeError(f"rank {RANK} fails on purpose after {len(chunks)} chunks")
+        os.kill(os.getpid(), signal.SIGKILL)
+    if RANK != fail_rank and os.environ.get("HOLD_AFTER") and len(chunks) == int(os.environ["HOLD_AFTER"]):
+        wait_until(lambda: False, "torchrun to stop this rank")
+
+
 E._make_engine = make
-if int(os.environ.get("KILL_RANK", "-1")) == RANK:
-    _add, saved = heldout.PredictionCache.add, []
-
-    def add(self, records):
-        _add(self, records)
-        saved.append(len(records))
-        if len(saved) == int(os.environ["KILL_AFTER"]):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    heldout.PredictionCache.add = add
+heldout.PredictionCache.add = add
 
 if __name__ == "__main__":
     sys.exit(E.main(sys.argv[1:]))

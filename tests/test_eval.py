@@ -156,36 +156,65 @@ def test_an_interrupted_eval_resumes_where_it_stopped(toy, monkeypatch, tmp_path
         _run(toy, monkeypatch, seven, data=toy["parquet"], limit=21, out=out)
 
 
-def test_eval_under_torchrun_splits_the_questions_and_a_killed_rank_resumes_its_shard_only(toy, monkeypatch,
-                                                                                         tmp_path):
-    """Two gloo ranks, each rolling out every second question into its own predictions file, the index split
-    between them: rank 1 is killed after its second chunk of 4; started again, each rank rolls out only what its
-    shard still lacks, rank 0 merges the files, and the table is the one process's."""
-    seven, out, started = toy["seven"], str(tmp_path / "e"), tmp_path / "started"
-    started.mkdir()
+def _ranks_cmd(toy, out: str, started) -> tuple[list, dict]:
+    """The two-rank gloo evaluation of tests/eval_ranks.py, the index split between the ranks."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(ROOT, "tests", "eval_ranks.py"), "--model", toy["folder"], "--data", toy["parquet"],
            "--batch", "4", "--out", out, "--config", DEBUG, *toy["overrides"], "retrieval.across_ranks=shard"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "ORACLE_DATA": toy["parquet"],
            "STARTED_DIR": str(started)}
+    return cmd, env
+
+
+def test_eval_under_torchrun_splits_the_questions_and_a_killed_rank_resumes_its_shard_only(toy, monkeypatch,
+                                                                                         tmp_path):
+    """Two gloo ranks, each rolling out every second question into its own predictions file, the index split
+    between them: rank 1 is killed once both ranks have saved two chunks of 4 (rank 0 holds there: the handshake of
+    tests/eval_ranks.py); started again, each rank rolls out only what its shard still lacks, rank 0 merges the
+    files, and the table is the one process's."""
+    seven, out, started = toy["seven"], str(tmp_path / "e"), tmp_path / "started"
+    started.mkdir()
+    cmd, env = _ranks_cmd(toy, out, started)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**env, "KILL_RANK": "1", "KILL_AFTER": "2"})
+                          env={**env, "FAIL_RANK": "1", "FAIL_AFTER": "2", "PEER_RECORDS": "8", "HOLD_AFTER": "2"})
     assert proc.returncode != 0 and not os.path.exists(os.path.join(out, "results.json")), proc.stderr[-3000:]
+    assert "eval_ranks: rank" not in proc.stderr, proc.stderr[-3000:]  # no handshake timed out
     shards = [list(range(len(seven)))[r::2] for r in range(2)]
     saved = [[json.loads(x)["index"] for x in open(os.path.join(out, f"predictions.rank{r}.jsonl"))]
              for r in range(2)]
-    assert len(saved[1]) == 8 and set(saved[1]) <= set(shards[1]) and set(saved[0]) <= set(shards[0])
+    assert saved == [shards[0][:8], shards[1][:8]]
     for f in started.iterdir():
         f.unlink()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert [int((started / f"rank{r}").read_text()) for r in range(2)] == \
-        [len(shards[r]) - len(saved[r]) for r in range(2)]
+    assert [int((started / f"rank{r}").read_text()) for r in range(2)] == [len(shards[r]) - 8 for r in range(2)]
     assert "(2 ranks, each its shard)" in proc.stdout and "questions/s" in proc.stdout
     preds = [json.loads(x)["index"] for x in open(os.path.join(out, "predictions.jsonl"))]
     assert preds == list(range(len(seven))) and not [f for f in os.listdir(out) if ".rank" in f]
     one, _ = _run(toy, monkeypatch, seven, data=toy["parquet"], out=str(tmp_path / "one"))
     assert json.load(open(os.path.join(out, "results.json")))["sources"] == one["sources"]
+
+
+def test_a_rank_that_fails_ends_the_job_instead_of_leaving_the_others_waiting(toy, tmp_path):
+    """Rank 1 raises after its second chunk, once rank 0 has saved its whole shard and so waits in the gather of
+    every rank's records: rank 1's process ends at once (its traceback printed) and torchrun stops rank 0. Before,
+    rank 1 waited in the retrieval session for rank 0 to leave it, and rank 0 for rank 1's records: both for ever
+    (the gloo timeout, 30 minutes)."""
+    out, started = str(tmp_path / "e"), tmp_path / "started"
+    started.mkdir()
+    cmd, env = _ranks_cmd(toy, out, started)
+    shard0 = len(range(0, len(toy["seven"]), 2))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                              env={**env, "FAIL_RANK": "1", "FAIL_AFTER": "2", "PEER_RECORDS": str(shard0),
+                                   "FAIL_MODE": "raise"})
+    except subprocess.TimeoutExpired:
+        subprocess.run(["pkill", "-9", "-f", out])  # the ranks' command lines hold this test's own folder
+        raise AssertionError("the job hung after one rank failed") from None
+    assert proc.returncode != 0 and "rank 1 fails on purpose after 2 chunks" in proc.stderr, proc.stderr[-3000:]
+    assert "eval_ranks: rank" not in proc.stderr, proc.stderr[-3000:]
+    assert len(open(os.path.join(out, "predictions.rank0.jsonl")).readlines()) == shard0
+    assert not os.path.exists(os.path.join(out, "results.json"))
 
 
 def test_the_command_refuses_bad_input(toy, tmp_path, capsys):

@@ -380,11 +380,14 @@ def test_host_rows_follow_what_each_setting_moves():
     assert hnsw.phases["train"]["index"] == WIKI18 * 768 * 4 + WIKI18 * ((2 * 32 + 1) * 4 + 12)  # vectors + graph
 
 
-def test_machine_memory_is_read_from_meminfo(tmp_path, capsys):
+def test_machine_memory_is_read_from_meminfo(tmp_path, capsys, monkeypatch):
+    from fastcredit.trainer.memory import command
+
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24684092 kB\nMemFree:        13958988 kB\n")
     assert memory.machine_memory_gib(str(meminfo)) == 24684092 * 1024 / GIB
     assert memory.machine_memory_gib(str(tmp_path / "absent")) is None
+    monkeypatch.setattr(command, "local_gpus", lambda: (1, 80.0))  # this machine, with a GPU, is the plan's node
     main(["--config", os.path.join(ROOT, "configs", "debug.yaml"), "--memory-report", "--gpus", "1"])
     out = capsys.readouterr().out
     here = memory.machine_memory_gib()

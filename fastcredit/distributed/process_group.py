@@ -20,9 +20,11 @@ run the distributed suite this way).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
+import traceback
 from dataclasses import dataclass
 from typing import Optional
 
@@ -140,6 +142,25 @@ def shutdown(info: DistInfo, code: int = 0) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+@contextlib.contextmanager
+def rank_failure_ends_job(info: DistInfo, expected: tuple = ()):
+    """Under torchrun, an exception on this rank ends its process at once (its traceback printed, exit status 1).
+
+    The other ranks may be waiting for this one in a collective (retrieval rounds, a gather of evaluation results,
+    a gradient reduce), and an interpreter that unwinds normally can wait on them too, or abort in gloo's threads:
+    a process that is gone is what torchrun sees and stops the job for. ``expected``: exception types every rank
+    raises together (bad input found on rank 0 and sent to all): they go on, as on one process."""
+    try:
+        yield
+    except Exception as exc:  # SystemExit and KeyboardInterrupt go on as they are
+        if not info.distributed or isinstance(exc, expected):
+            raise
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def all_reduce_sum(x: torch.Tensor, info: DistInfo) -> torch.Tensor:

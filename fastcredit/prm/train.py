@@ -44,7 +44,8 @@ from fastcredit.data.loaders import DataError
 from fastcredit.data.tokenizer import build_tiny_tokenizer
 from fastcredit.distributed.build import build_train_engine, compute_dtype
 from fastcredit.distributed.engine import adamw
-from fastcredit.distributed.process_group import all_reduce_sum, init_distributed, max_over_ranks, shutdown
+from fastcredit.distributed.process_group import (all_reduce_sum, init_distributed, max_over_ranks,
+                                                 rank_failure_ends_job, shutdown)
 from fastcredit.distributed.weights import DTYPES, ExportError, find_checkpoint, name_deepspeed_accelerator
 from fastcredit.models.tiny import build_tiny_policy
 from fastcredit.prm.config import PRMTrainConfig
@@ -403,6 +404,11 @@ def main(argv: Optional[list] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     info = init_distributed(cfg.distributed.backend, cfg.distributed.shard_size)
+    with rank_failure_ends_job(info):  # under torchrun a failing rank must not leave the others waiting on it
+        return _train(cfg, info, train_rows, test_rows, resume)
+
+
+def _train(cfg, info, train_rows, test_rows, resume: bool) -> int:
     try:
         trainer, code = PRMTrainer(cfg, info, train_rows, test_rows, resume), 0
     except ValueError as exc:  # ConfigError: a checkpoint of other data; a trajectory past data.max_tokens

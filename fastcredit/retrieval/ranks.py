@@ -128,12 +128,18 @@ class CrossRankIndex:
     @contextlib.contextmanager
     def session(self):
         """Meet the other ranks in retrieval rounds while inside. Leaving waits until every rank has left, and
-        raises RuntimeError when the rounds failed (unless an exception is already leaving the block)."""
+        raises RuntimeError when the rounds failed.
+
+        An exception leaving the block does not wait: the other ranks may be waiting for this one elsewhere (in the
+        caller's next collective, say, as every rank's evaluation gathers its shard inside the session), so waiting
+        for them to leave would wait for ever. The round thread goes on answering rounds with nothing, and the
+        exception goes on at once, to end the process (torchrun then stops the job). A session entered later on
+        this rank waits for that thread to finish first."""
         self._enter()
         try:
             yield self
         except BaseException:
-            self._leave(quiet=True)
+            self._leave(quiet=True, wait=False)
             raise
         self._leave()
 
@@ -148,19 +154,18 @@ class CrossRankIndex:
                 self._thread.start()
             self._depth += 1
 
-    def _leave(self, quiet: bool = False) -> None:
+    def _leave(self, quiet: bool = False, wait: bool = True) -> None:
         with self._cv:
             self._depth -= 1
             if self._depth:
                 return
-            self._done = self._closing = True
+            thread = self._thread  # None: it ended already (the rounds failed)
+            self._done, self._closing = True, thread is not None
             self._cv.notify_all()
-            thread = self._thread
-        thread.join()
-        with self._cv:
-            self._thread, self._closing = None, False
-            self._cv.notify_all()
-            if not quiet:
+        if thread is not None and wait:  # it ends when every rank is done, and clears _closing then (_rounds)
+            thread.join()
+        if not quiet:
+            with self._cv:
                 self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
@@ -184,6 +189,11 @@ class CrossRankIndex:
             for job in jobs:
                 job.error = exc
                 job.done.set()
+        finally:
+            with self._cv:
+                if self._thread is threading.current_thread():
+                    self._thread, self._closing = None, False
+                self._cv.notify_all()
 
     def _take(self) -> tuple[list[_Search], bool]:
         """This round's searches (at least one when any is pending, at most ``max_batch`` queries) and the done flag."""

@@ -11,6 +11,7 @@ gather: no HTTP, no host round trip of embeddings, no per-row Python lookups on 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -131,13 +132,27 @@ def default_index_dir(corpus: str) -> str:
     return os.path.splitext(os.path.abspath(corpus))[0] + ".fastcredit"
 
 
+@contextlib.contextmanager
+def rank0_first(rank: int, world_size: int, group=None):
+    """The block runs on rank 0, then on the other ranks of ``group`` (one barrier each side; every rank enters)."""
+    if world_size > 1 and rank != 0:
+        import torch.distributed as dist
+
+        dist.barrier(group=group)
+    yield
+    if world_size > 1 and rank == 0:
+        import torch.distributed as dist
+
+        dist.barrier(group=group)
+
+
 def open_retriever(corpus: Optional[str] = None, index: Optional[str] = None, encoder: str = "minilm",
                    pooling: str = "mean", query_prefix: str = "", passage_prefix: str = "", index_type: str = "flat",
                    device: str = "auto", dtype: str = "auto", max_length: int = 256, batch_size: int = 256,
                    tokenizer=None, store_dir: Optional[str] = None, num_shards: int = 0, nprobe: Optional[int] = None,
                    ef_search: Optional[int] = None, mmap: bool = False, token_device: Optional[str] = None,
                    max_gpu_token_bytes: int = 4 << 30, progress: bool = True, rank: int = 0, world_size: int = 1,
-                   group=None, round_cadence_ms: float = 5.0) -> Retriever:
+                   group=None, round_cadence_ms: float = 5.0, builders: Optional[tuple] = None) -> Retriever:
     """Open (building what is missing) a retriever over Search-R1-style assets.
 
     ``index``: a FAISS index file (Search-R1's ``e5_Flat.index`` as is) or a folder written by
@@ -149,6 +164,8 @@ def open_retriever(corpus: Optional[str] = None, index: Optional[str] = None, en
     ``world_size`` > 1: every rank of ``group`` (default: all) calls this together and keeps
     only its rows of the index (``fastcredit.retrieval.ranks``; ``num_shards`` and ``mmap`` do
     not apply); a missing index is built by rank 0; corpus and token stores stay whole.
+    ``builders``: ``(rank, world size, group)`` of the processes opening it together when that is not the split's
+    own (every rank of a job opening a whole copy): what is missing is built by their rank 0 before the others look.
     """
     from fastcredit.retrieval.exact import check_splittable
     from fastcredit.retrieval.indexes import load_index
@@ -158,25 +175,29 @@ def open_retriever(corpus: Optional[str] = None, index: Optional[str] = None, en
     dev = resolve_device(device)
     enc = Encoder.from_pretrained(encoder, pooling, query_prefix, passage_prefix, max_length, batch_size, str(dev),
                                   dtype)
-    if index is None or not os.path.exists(index):
-        if corpus is None:
-            raise ValueError(f"index {index!r} does not exist and no corpus jsonl was given to build it from")
-        from fastcredit.retrieval.build import build_all
+    # what is built on first use (the index, the corpus and token stores) is built by rank 0 alone: the other ranks
+    # look only once it is there (two ranks building one store race on its folder)
+    with rank0_first(*(builders or (rank, world_size, group))):
+        if index is None or not os.path.exists(index):
+            if corpus is None:
+                raise ValueError(f"index {index!r} does not exist and no corpus jsonl was given to build it from")
+            from fastcredit.retrieval.build import build_all
 
-        out = default_index_dir(corpus) if index is None else os.path.dirname(os.path.abspath(index))
-        if rank == 0:
-            build_all(corpus, out, index_type=index_type, progress=progress, encoder_obj=enc,
-                      index_name=None if index is None else os.path.basename(index))
-        if world_size > 1:
-            import torch.distributed as dist
+            out = default_index_dir(corpus) if index is None else os.path.dirname(os.path.abspath(index))
+            if (builders or (rank,))[0] == 0:
+                build_all(corpus, out, index_type=index_type, progress=progress, encoder_obj=enc,
+                          index_name=None if index is None else os.path.basename(index))
+            index = out if index is None else index
+        info, index_path = read_build_info(index)
+        if store_dir is None:
+            store_dir = os.path.join(info["folder"], info["corpus_store"]) if info else \
+                os.path.join(os.path.dirname(os.path.abspath(index_path)), "fastcredit_store")
+        store = open_corpus_store(corpus, store_dir, progress=progress)
+        tok_store = None
+        if tokenizer is not None:
+            from fastcredit.retrieval.tokstore import open_token_store
 
-            dist.barrier(group=group)  # the other ranks wait for rank 0's build
-        index = out if index is None else index
-    info, index_path = read_build_info(index)
-    if store_dir is None:
-        store_dir = os.path.join(info["folder"], info["corpus_store"]) if info else \
-            os.path.join(os.path.dirname(os.path.abspath(index_path)), "fastcredit_store")
-    store = open_corpus_store(corpus, store_dir, progress=progress)
+            tok_store = open_token_store(store, tokenizer, progress=progress)
     _check_encoder(info, enc, index_path)
     index_dtype = None if dev.type == "cpu" else resolve_dtype("float16" if dtype == "auto" else dtype, dev)
     if world_size > 1:
@@ -186,11 +207,7 @@ def open_retriever(corpus: Optional[str] = None, index: Optional[str] = None, en
                                     round_cadence_ms)
     else:
         idx = load_index(index_path, index_type, str(dev), index_dtype, num_shards, nprobe, ef_search, mmap)
-    tok_store = None
-    if tokenizer is not None:
-        from fastcredit.retrieval.tokstore import open_token_store
-
-        tok_store = open_token_store(store, tokenizer, progress=progress)
+    if tok_store is not None:
         if token_device is None:
             # The whole store moves to the GPU once; past the cap it stays memory-mapped on the
             # CPU and only the gathered observations travel.
@@ -226,4 +243,5 @@ def from_config(rcfg, tokenizer=None, corpus: Optional[str] = None, progress: bo
                           query_prefix=rcfg.query_prefix, passage_prefix=rcfg.passage_prefix,
                           index_type=rcfg.index_type, device=device or rcfg.device, batch_size=rcfg.batch_size,
                           tokenizer=tokenizer, progress=progress, rank=rank if split else 0,
-                          world_size=world_size if split else 1, group=group, **extra)
+                          world_size=world_size if split else 1, group=group, builders=(rank, world_size, group),
+                          **extra)

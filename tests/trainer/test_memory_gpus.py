@@ -6,7 +6,8 @@ import re
 import pytest
 
 from fastcredit.config import ConfigError, load_config
-from fastcredit.train import main, report_gpus
+from fastcredit.train import main
+from fastcredit.trainer.memory.command import report_gpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the GPUs each paper trained on, as its YAML comment cites: CriticSearch Appendix B (one node of 8 H100), CW-GRPO
