@@ -277,11 +277,11 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
     import time
 
     import torch
-    from tqdm import tqdm
     from fastcredit.trainer import parts as C
     from fastcredit.data.prompts import example_prompt_ids
     from fastcredit.distributed.process_group import max_over_ranks
     from fastcredit.rollout.agent import searcher_session
+    from fastcredit.runtime.progress import progress_bar
 
     info = info or DistInfo(device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if batch < 1 or (limit is not None and limit < 1):
@@ -326,7 +326,7 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
             return score_records(loop.run(prompts).episodes, exs, idx)
 
         mine = chosen[info.rank::info.world_size]
-        bar = tqdm(total=len(mine), initial=sum(i in cache.done for i in mine), unit="q",
+        bar = progress_bar(total=len(mine), initial=sum(i in cache.done for i in mine), unit="q",
                    desc="eval" + (f" rank 0 of {info.world_size}" if info.distributed else ""),
                    disable=not (progress and info.is_main), dynamic_ncols=True)
         start = time.perf_counter()
@@ -366,12 +366,14 @@ def main(argv: Optional[list] = None) -> int:
     its shard of the questions and rank 0 prints the table."""
     from fastcredit.config.help import take_flags
     from fastcredit.distributed.process_group import init_distributed, rank_failure_ends_job, shutdown
+    from fastcredit.runtime.progress import quiet_library_bars
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         from fastcredit.config.help import format_usage, handle_help
 
         handle_help(argv, format_usage(SYNOPSIS, __doc__, FLAG_HELP))
+    quiet_library_bars()  # a log gets plain progress lines, not the libraries' bar frames
     info = init_distributed()  # one process: nothing to initialise
     code = 0
     try:

@@ -33,6 +33,7 @@ from fastcredit.data.loaders import QAExample, iter_corpus, load_qa
 from fastcredit.data.prompts import build_prompt
 from fastcredit.data.toyworld import generate_world, write_world
 from fastcredit.credit.rewards import score_trajectory
+from fastcredit.runtime.progress import quiet_library_bars
 
 
 def format_observation(passages: list[tuple[str, str]]) -> str:
@@ -153,6 +154,7 @@ USAGE = format_usage("python -m fastcredit.prepare [--config X.yaml] [key=value 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     handle_help(argv, USAGE)
+    quiet_library_bars()  # a log gets plain progress lines, not the libraries' bar frames
     try:
         path, overrides = parse_cli(argv)
         cfg = load_config(path, overrides)

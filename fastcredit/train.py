@@ -32,6 +32,7 @@ from fastcredit.config import ConfigError, load_config, parse_cli
 from fastcredit.config.checks import check_paths
 from fastcredit.credit.needs import check_needs
 from fastcredit.distributed.process_group import init_distributed, rank_failure_ends_job, shutdown
+from fastcredit.runtime.progress import quiet_library_bars
 from fastcredit.trainer.memory.command import memory_report, report_flags
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
@@ -60,6 +61,7 @@ USAGE = format_usage(SYNOPSIS, __doc__, FLAGS)
 def main(argv: Optional[list] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     handle_help(argv, USAGE)
+    quiet_library_bars()  # a log gets plain progress lines, not the libraries' bar frames
     resume, profile = "--resume" in argv, "--profile" in argv
     argv = [a for a in argv if a not in ("--resume", "--profile")]
     try:

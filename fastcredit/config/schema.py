@@ -249,6 +249,11 @@ class WarmStartConfig:
     seed: Optional[int] = opt(None, "seed of the warm start: the tiny policy's initialisation and the order of the "
                                     "supervised pass (null: the run seed); runs that differ only in their run seed "
                                     "share a warm start when this is set", range=SEED)
+    threads: int = opt(1, "CPU threads of the warm start's supervised pass (torch's intra-op threads, restored "
+                          "after): fixed, because float sums follow the thread count and the warm-started weights "
+                          "(greedy EM 0.500 on 2 threads, 0.447 on 1, configs/compare_detour.yaml) would otherwise "
+                          "depend on the machine; part of the warm start's cache key (0: torch's default, this "
+                          "machine's count)", range=NONNEG, note="0: torch's default")
     cache_dir: Optional[str] = opt(None, "folder of cached warm starts: one made with the same data, model, "
                                          "retrieval, warm-start seed and warmstart settings (and the rollout "
                                          "settings that shape its observations) is loaded instead of redone")

@@ -47,7 +47,7 @@ from fastcredit.config import ConfigError, TrainConfig
 from fastcredit.data.loaders import DataError, QAExample
 from fastcredit.data.toyqa import RELATIONS, fact_sentence, question_hops
 from fastcredit.prm.data import LabelledTrajectory, write_labelled
-from fastcredit.rollout.agent import INVALID_OBSERVATION
+from fastcredit.rollout.actions import INVALID_OBSERVATION
 from fastcredit.rollout.engines.base import GenOutput
 
 SYNOPSIS = ("python -m fastcredit.prm.label --config X.yaml --model DIR|runs/X|scripted[:p] [flags] "

@@ -34,7 +34,6 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from fastcredit.distributed.checkpoint import resume_checkpoint, save_checkpoint
 from fastcredit.config.help import describe, format_usage, help_request
@@ -53,6 +52,7 @@ from fastcredit.models.prm import PRMModel, add_placeholder, prm_loss, save_prm
 from fastcredit.models.prm_inputs import PRMEncoder, pack, require_placeholder, token_budget_groups
 from fastcredit.prm.data import LabelledTrajectory, read_labelled
 from fastcredit.prm.metrics import eval_line, eval_metrics, plot_curves
+from fastcredit.runtime.progress import progress_bar, quiet_library_bars
 from fastcredit.runtime.tracking import MetricLogger, archive_previous_run, write_line
 from fastcredit.trainer.schedule import lr_factor
 
@@ -273,7 +273,7 @@ class PRMTrainer:
         """Train to the last step (checkpoints, evaluations), then the final evaluation; returns its metrics."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="PRM", leave=False,
+        bar = progress_bar(total=self.total_steps, initial=self.step, desc="PRM", unit="step", leave=False,
                    disable=not (cfg.logging.progress and self.info.is_main))
         while self.step < self.total_steps:
             m = self.train_step()
@@ -390,6 +390,7 @@ def _help(argv: list) -> None:
 def main(argv: Optional[list] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _help(argv)
+    quiet_library_bars()  # a log gets plain progress lines, not the libraries' bar frames
     resume, export_only = "--resume" in argv, "--export-only" in argv
     argv = [a for a in argv if a not in ("--resume", "--export-only")]
     try:

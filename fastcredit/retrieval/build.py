@@ -71,7 +71,7 @@ def embed_corpus(store: CorpusStore, encoder: Encoder, emb_dir: str, chunk_size:
                  max_chunks: Optional[int] = None, overwrite: bool = False, progress: bool = True) -> Optional[list]:
     """Encode every passage in chunks of ``chunk_size`` rows; returns the chunks memory-mapped,
     or None when ``max_chunks`` new chunks were written and some remain (resume later)."""
-    from tqdm import tqdm
+    from fastcredit.runtime.progress import progress_bar
 
     os.makedirs(emb_dir, exist_ok=True)
     manifest = _load_manifest(emb_dir, _fingerprint(store, encoder, chunk_size), overwrite)
@@ -79,7 +79,7 @@ def embed_corpus(store: CorpusStore, encoder: Encoder, emb_dir: str, chunk_size:
     num_chunks = -(-n // chunk_size)
     done_rows = sum(v["rows"] for v in manifest["done"].values())
     written = 0
-    with tqdm(total=n, initial=done_rows, unit="passage", desc="embeddings", disable=not progress) as bar:
+    with progress_bar(total=n, initial=done_rows, unit="passage", desc="embeddings", disable=not progress) as bar:
         for c in range(num_chunks):
             if str(c) in manifest["done"]:
                 continue

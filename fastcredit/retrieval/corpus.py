@@ -79,7 +79,7 @@ def _source_stamp(path: str) -> dict:
 
 def build_corpus_store(jsonl_path: str, out_dir: str, progress: bool = True) -> "CorpusStore":
     """Stream ``jsonl_path`` into a store at ``out_dir`` (written beside, then renamed into place)."""
-    from tqdm import tqdm
+    from fastcredit.runtime.progress import progress_bar
 
     if not os.path.exists(jsonl_path):
         raise CorpusError(f"{jsonl_path}: no such corpus file")
@@ -88,7 +88,8 @@ def build_corpus_store(jsonl_path: str, out_dir: str, progress: bool = True) -> 
     os.makedirs(partial)
     c_off, i_off, split = array.array("q", [0]), array.array("q", [0]), array.array("i")
     ids_are_rows = True
-    bar = tqdm(total=os.path.getsize(jsonl_path), unit="B", unit_scale=True, desc="corpus store", disable=not progress)
+    bar = progress_bar(total=os.path.getsize(jsonl_path), unit="B", unit_scale=True, desc="corpus store",
+                       disable=not progress)
     with open(os.path.join(partial, "contents.bin"), "wb") as cf, open(os.path.join(partial, "ids.bin"), "wb") as idf:
         done = 0
         for lineno, consumed, pid, contents in _iter_rows(jsonl_path):

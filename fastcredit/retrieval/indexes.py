@@ -86,7 +86,7 @@ def build_faiss_index(chunks: Sequence[np.ndarray], index_type: str = "flat", hn
                       nlist: Optional[int] = None, pq_m: Optional[int] = None, train_size: int = 262144,
                       seed: int = 0, progress: bool = True) -> faiss.Index:
     """Inner-product FAISS index over the rows of ``chunks`` (each [n_i, D] float32), in order."""
-    from tqdm import tqdm
+    from fastcredit.runtime.progress import progress_bar
 
     n, dim = sum(len(c) for c in chunks), int(chunks[0].shape[1])
     spec = factory_string(index_type, n, dim, hnsw_m, nlist, pq_m)
@@ -100,7 +100,7 @@ def build_faiss_index(chunks: Sequence[np.ndarray], index_type: str = "flat", hn
             np.asarray(chunks[c][picks[(picks >= starts[c]) & (picks < starts[c + 1])] - starts[c]])
             for c in range(len(chunks))])
         index.train(np.ascontiguousarray(sample, dtype=np.float32))
-    with tqdm(total=n, unit="vec", desc=f"index {spec}", disable=not progress) as bar:
+    with progress_bar(total=n, unit="vec", desc=f"index {spec}", disable=not progress) as bar:
         for c in chunks:
             index.add(np.ascontiguousarray(c, dtype=np.float32))
             bar.update(len(c))

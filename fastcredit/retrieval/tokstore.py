@@ -57,7 +57,7 @@ def build_token_store(corpus, tokenizer, out_dir: Optional[str] = None, batch_si
 
     Written to a side folder and renamed into place, so a killed build leaves no half store.
     """
-    from tqdm import tqdm
+    from fastcredit.runtime.progress import progress_bar
 
     out_dir = out_dir or token_store_dir(corpus.root, tokenizer)
     partial = out_dir.rstrip("/") + f".partial-{os.getpid()}"
@@ -66,7 +66,7 @@ def build_token_store(corpus, tokenizer, out_dir: Optional[str] = None, batch_si
     offsets = array.array("q", [0])
     n = len(corpus)
     with open(os.path.join(partial, "tokens.bin"), "wb") as fh, \
-            tqdm(total=n, unit="passage", desc="token store", disable=not progress) as bar:
+            progress_bar(total=n, unit="passage", desc="token store", disable=not progress) as bar:
         for start in range(0, n, batch_size):
             stop = min(n, start + batch_size)
             texts = list(corpus.iter_observation_pieces(start, stop))

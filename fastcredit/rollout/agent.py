@@ -3,6 +3,9 @@
     generate until </search>, </answer> or EOS  →  classify the action  →  retrieve (search)
     or a corrective message (invalid)  →  append <information>…</information>  →  generate …
 
+How a turn is cut and classified (stopped at tags, or Search-R1's first complete pair with
+``rollout.stop_at_tags: false``) is :mod:`fastcredit.rollout.actions`.
+
 Two schedules over the same state machine (:class:`Episode`):
 
 * ``async``: one coroutine per trajectory; a trajectory continues as soon as its own
@@ -34,22 +37,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from fastcredit.rollout.actions import (INVALID_OBSERVATION, STOP_STRINGS, classify_action, classify_searchr1,
+                                        cut_at_first_tag)
 from fastcredit.rollout.engines.base import Engine, GenOutput, SamplingParams
 from fastcredit.rollout.trajectory import TrajectoryBatch, Turn, TurnKind, from_turns
 
-# Search-R1's corrective observation for an action with neither tag (llm_agent/generation.py).
-INVALID_OBSERVATION = ("\nMy previous action is invalid. If I want to search, I should put the query between "
-                       "<search> and </search>. If I want to give the final answer, I should put the answer "
-                       "between <answer> and </answer>. Let me try again.\n")
-STOP_STRINGS = ("</search>", "</answer>")
-_SEARCH_BODY = re.compile(r"<search>(.*?)</search>\s*$", re.DOTALL)
+
+class _Corrective:
+    """What :meth:`Episode.on_action` returns for an invalid turn: its observation is the corrective message."""
+
+    def __repr__(self) -> str:
+        return "CORRECTIVE"
+
+
+CORRECTIVE = _Corrective()
+# on_action's answer: the query to search, CORRECTIVE, or None when the trajectory ended
+NextObservation = Union[str, _Corrective, None]
 
 # searcher(queries) -> per query (observation token ids, retrieved passage ids)
 Searcher = Callable[[list[str]], list[tuple[list[int], list[str]]]]
@@ -71,25 +80,6 @@ class AgentLimits:
                    rollout_cfg.max_response_tokens, rollout_cfg.stop_at_tags)
 
 
-def cut_at_first_tag(ids: list, tokenizer) -> tuple[int, bool]:
-    """``(kept, tagged)``: how many of ``ids`` Search-R1 keeps of an action generated without stop strings,
-    up to the token that completes the first ``</search>`` if there is one, else the first ``</answer>``,
-    else all of them (``search_r1/llm_agent/generation.py``, ``_postprocess_responses``: the text is split at
-    ``</search>`` first); shortest prefix by bisection over decodes (a prefix holding a tag only grows)."""
-    full = tokenizer.decode(ids, skip_special_tokens=False)
-    tag = next((t for t in STOP_STRINGS if t in full), None)
-    if tag is None:
-        return len(ids), False
-    lo, hi = 1, len(ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tag in tokenizer.decode(ids[:mid], skip_special_tokens=False):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo, True
-
-
 @dataclass
 class StepInfo:
     """Text-level record of one turn, for judges and logs."""
@@ -101,24 +91,6 @@ class StepInfo:
     retrieved_ids: list = field(default_factory=list)
     refined_from: Optional[str] = None  # ProCeed: the rejected action's text
     critic_score: Optional[int] = None  # ProCeed: the process critic's score of the kept step
-
-
-def classify_action(text: str, out: GenOutput) -> tuple[TurnKind, Optional[str]]:
-    """``(kind, query)`` of an action that stopped for ``out.finish_reason``.
-
-    ``answer`` when it ends with ``</answer>``; ``search`` when it ends with ``</search>``
-    around a non-empty query (the last ``<search>`` opening wins); anything else is
-    ``invalid`` (Search-R1 answers it with a corrective message and goes on).
-    """
-    stripped = text.rstrip()
-    if out.finish_reason == "stop" and stripped.endswith("</answer>"):
-        return TurnKind.ANSWER, None
-    if out.finish_reason == "stop" and stripped.endswith("</search>"):
-        body = _SEARCH_BODY.search(stripped[stripped.rfind("<search>"):]) if "<search>" in stripped else None
-        query = body.group(1).strip() if body else ""
-        if query:
-            return TurnKind.SEARCH, query
-    return TurnKind.INVALID, None
 
 
 class Episode:
@@ -152,9 +124,10 @@ class Episode:
                               stop_token_ids=list(s.stop_token_ids), logprobs=s.logprobs,
                               seed=seed)
 
-    def on_action(self, out: GenOutput) -> Optional[str]:
-        """Record an action; returns the query to search, ``""`` for the corrective message, or
-        None when the trajectory ended (answer, truncation)."""
+    def on_action(self, out: GenOutput) -> NextObservation:
+        """Record an action; returns the query to search, :data:`CORRECTIVE` for the corrective message, or
+        None when the trajectory ended (answer, truncation). The action's kind: :mod:`fastcredit.rollout.actions`
+        (Search-R1's first complete pair with ``stop_at_tags`` off)."""
         ids = list(out.token_ids)
         lps = list(out.logprobs) if out.logprobs is not None else [0.0] * len(ids)
         self.logprobs_missing |= out.logprobs is None and bool(ids)
@@ -164,7 +137,7 @@ class Episode:
             if tagged:  # as if it had stopped there
                 out = replace(out, token_ids=ids, finish_reason="stop")
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        kind, query = classify_action(text, out)
+        kind, query = classify_action(text, out) if self.limits.stop_at_tags else classify_searchr1(text)
         step = StepInfo(kind, text, query)
         out_of_length = self.response_len + len(ids) >= self.limits.max_response_tokens
         last_turn = len(self.turns) + 1 >= self.limits.max_turns
@@ -175,7 +148,7 @@ class Episode:
             self.done = True
             return None
         self._pending = (ids, lps, step, out.version)
-        return query if kind == TurnKind.SEARCH else ""
+        return query if kind == TurnKind.SEARCH else CORRECTIVE
 
     def on_observation(self, obs_ids: Sequence[int], retrieved_ids: Sequence[str] = ()) -> None:
         """Append the observation of the pending action (capped by ``max_obs_tokens``)."""
@@ -191,7 +164,7 @@ class Episode:
         step.retrieved_ids = list(retrieved_ids)
         self._finish_turn(ids, lps, step, obs, version)
 
-    def replace_last_step(self, out: GenOutput, refined_from: str) -> Optional[str]:
+    def replace_last_step(self, out: GenOutput, refined_from: str) -> NextObservation:
         """ProCeed: drop the last finished turn and take ``out`` (refined tokens, ``demo = 1``) in its place."""
         last = self.turns.pop()
         self.steps.pop()
@@ -368,14 +341,14 @@ class AgentLoop:
             if self.step_hook is not None:
                 await self.step_hook(self, e, search)
 
-    async def observe(self, e: Episode, query: str, search) -> None:
-        """Search ``query`` (``""``: the corrective message) and append the observation to ``e``."""
-        if query:
-            with self.activity("retrieval"):
-                obs, ids = await search(query)
-            e.on_observation(obs, ids)
-        else:
+    async def observe(self, e: Episode, query: Union[str, _Corrective], search) -> None:
+        """Search ``query`` (:data:`CORRECTIVE`: the corrective message) and append the observation to ``e``."""
+        if query is CORRECTIVE:
             e.on_observation(self.invalid_ids)
+            return
+        with self.activity("retrieval"):
+            obs, ids = await search(query)
+        e.on_observation(obs, ids)
 
     def _lockstep(self, prompts, metas) -> tuple[list[Episode], int]:
         episodes = self._episodes(prompts, metas)
@@ -387,7 +360,7 @@ class AgentLoop:
             with self.activity("generate", len(active)):
                 outs = self.engine.generate([e.context for e in active], [e.next_request() for e in active])
             queries = [(e, e.on_action(o)) for e, o in zip(active, outs)]
-            searching = [(e, q) for e, q in queries if q]
+            searching = [(e, q) for e, q in queries if isinstance(q, str)]
             if searching:
                 calls += 1
                 with self.activity("retrieval", len(searching)):
@@ -395,7 +368,7 @@ class AgentLoop:
                 for (e, _), (obs, ids) in zip(searching, found):
                     e.on_observation(obs, ids)
             for e, q in queries:
-                if q == "":
+                if q is CORRECTIVE:
                     e.on_observation(self.invalid_ids)
 
     def _result(self, episodes: list[Episode], group_id, seconds: float, calls: int) -> RolloutResult:

@@ -148,7 +148,7 @@ class Trainer:
     def fit(self) -> dict:
         """Train ``optim.total_steps`` steps (from the resumed step), evaluating before, every ``eval.every``
         steps and after; returns ``{"em_before", "em_after"}`` (None where evaluation is off)."""
-        from tqdm import tqdm
+        from fastcredit.runtime.progress import progress_bar
 
         cfg = self.cfg
         summary, before = {}, {}
@@ -158,7 +158,7 @@ class Trainer:
             if before:
                 self.say(f"held-out EM before training: {eval_line(before)}")
                 self.logger.log(0, before, console=False)
-        bar = tqdm(total=cfg.optim.total_steps, initial=self.step, desc="train", disable=not (
+        bar = progress_bar(total=cfg.optim.total_steps, initial=self.step, desc="train", unit="step", disable=not (
             cfg.logging.progress and self.info.is_main), leave=False)
         while self.step < cfg.optim.total_steps:
             m = self._profiled_step()
@@ -172,7 +172,8 @@ class Trainer:
                 if scores:
                     self.say(f"held-out EM after {self.step} steps: {eval_line(scores)}")
             bar.update(1)
-            bar.set_postfix(reward=f"{m.get('reward', 0):.3f}", em=f"{m.get('em', 0):.3f}")
+            bar.set_postfix(loss=f"{m.get('pg_loss', 0):.4f}", reward=f"{m.get('reward', 0):.3f}",
+                            em=f"{m.get('em', 0):.3f}")
             self.logger.log(self.step, m, console=self.step % cfg.logging.log_every == 0)
             every = cfg.logging.checkpoint_every
             if (every and self.step % every == 0) or self.step == cfg.optim.total_steps:

@@ -176,7 +176,8 @@ def warm_start(lm, cfg: TrainConfig, data: Data, tokenizer, searcher, info, say:
         bar = cfg.logging.progress and info.is_main
         losses = sft_train(lm, seqs, pad_id, w.epochs, w.lr, w.batch_size, seed, str(info.device),
                            progress=bar, on_epoch=None if bar else lambda k, loss: say(
-                               f"warm start: epoch {k}/{w.epochs}, loss {loss:.3f} ({time.time() - t0:.0f} s)"))
+                               f"warm start: epoch {k}/{w.epochs}, loss {loss:.3f} ({time.time() - t0:.0f} s)"),
+                           threads=w.threads)
         made = f" ({len(detours)} with a detour)" if w.detour_fraction else ""
         # the mean loss of the first epoch and of the last (one epoch: its mean)
         loss = f"{losses[0]:.3f} -> {losses[-1]:.3f}" if len(losses) > 1 else f"{losses[0]:.3f}"

@@ -10,6 +10,7 @@ only: prompt and observation tokens are context.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -86,13 +87,34 @@ def labelled_cross_entropy(model, ids: torch.Tensor, labels: torch.Tensor, mask:
 
 def sft_train(model, seqs: list[tuple[list[int], list[int]]], pad_id: int, epochs: int = 3, lr: float = 3e-3,
               batch_size: int = 16, seed: int = 0, device: str = "cpu", progress: bool = True,
-              on_epoch: Optional[Callable[[int, float], None]] = None) -> list[float]:
+              on_epoch: Optional[Callable[[int, float], None]] = None, threads: int = 0) -> list[float]:
     """Cross-entropy on the labelled tokens; AdamW with a cosine decay. Returns the mean loss per epoch;
     ``on_epoch(epoch, mean loss)`` is called after each (a status line where no progress bar shows).
+    ``threads``: torch's intra-op threads while it trains on the CPU (0: as they are), restored after: the
+    weights then do not depend on the machine's core count (``warmstart.threads``).
 
     The model is moved to ``device`` and left there (the policy is read onto the CPU, and training it there while
     the batches go to a GPU was the warm start's first GPU failure); a caller that wants it back moves it."""
-    from tqdm import tqdm
+    with intra_op_threads(threads if torch.device(device).type == "cpu" else 0):
+        return _sft_train(model, seqs, pad_id, epochs, lr, batch_size, seed, device, progress, on_epoch)
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int):
+    """torch's intra-op threads set to ``n`` inside the block (0: left as they are)."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n:
+            torch.set_num_threads(before)
+
+
+def _sft_train(model, seqs, pad_id: int, epochs: int, lr: float, batch_size: int, seed: int, device: str,
+               progress: bool, on_epoch: Optional[Callable[[int, float], None]]) -> list[float]:
+    from fastcredit.runtime.progress import progress_bar
 
     model.to(device)
     rng = random.Random(seed)
@@ -102,7 +124,7 @@ def sft_train(model, seqs: list[tuple[list[int], list[int]]], pad_id: int, epoch
         opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / max(steps, 1), 1.0))))
     model.train()
     history = []
-    bar = tqdm(total=steps, desc="warm start (SFT)", disable=not progress, leave=False)
+    bar = progress_bar(total=steps, desc="warm start (SFT)", unit="step", disable=not progress, leave=False)
     for _ in range(epochs):
         total, n = 0.0, 0
         for ids, labels, mask in _batches(seqs, batch_size, pad_id, rng):
@@ -130,11 +152,16 @@ def sft_train(model, seqs: list[tuple[list[int], list[int]]], pad_id: int, epoch
 # set (a comparison over seeds). Of the rollout section only what shapes the oracle trajectories' observations.
 WARM_START_KEYS = ("data", "model", "retrieval", "warmstart")
 WARM_START_ROLLOUT_KEYS = ("max_obs_tokens",)
+# Of the retrieval section, what cannot change the observations: where the searches go (in-process or a server
+# of the same index, bench_step's Search-R1 design), how they are batched, and how ranks split an index (the merged
+# lists are one index's, fastcredit.retrieval.ranks). What reaches a score (index, encoder, device, dtype) stays.
+WARM_START_IGNORED_RETRIEVAL = ("backend", "url", "batch_size", "batch_timeout_ms", "round_cadence_ms",
+                                "across_ranks", "num_shards", "build_index")
 
 
 def warm_start_fingerprint(cfg) -> str:
     """A digest of what determines the warm-started weights: ``WARM_START_KEYS`` (minus the cache and world
-    folders), the observation cap and the warm start's seed."""
+    folders, and ``WARM_START_IGNORED_RETRIEVAL``), the observation cap, the warm start's seed and threads."""
     from fastcredit.config import to_dict
 
     d = to_dict(cfg)
@@ -143,8 +170,11 @@ def warm_start_fingerprint(cfg) -> str:
     if not part["warmstart"]["detour_fraction"]:  # added later: warm starts cached without detours still load
         del part["warmstart"]["detour_fraction"]
     part["data"] = {k: v for k, v in part["data"].items() if k != "world_dir"}
+    part["retrieval"] = {k: v for k, v in part["retrieval"].items() if k not in WARM_START_IGNORED_RETRIEVAL}
     part["rollout"] = {k: d["rollout"][k] for k in WARM_START_ROLLOUT_KEYS}
     part["seed"] = cfg.warmstart.seed_for(cfg.seed)
+    # the threads it trains with on a CPU (float sums follow them); 0 leaves torch's default, this machine's count
+    part["warmstart"]["threads"] = cfg.warmstart.threads or torch.get_num_threads()
     return hashlib.sha256(json.dumps(part, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

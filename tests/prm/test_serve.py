@@ -18,7 +18,8 @@ from fastcredit.judges.prm_client import PiCARewardClient, RewardServerError, pi
 from fastcredit.models.prm_inputs import PRMSequence, pack
 from fastcredit.models.prm import hazards
 from fastcredit.judges.prm import PRMScorer
-from fastcredit.rollout.agent import INVALID_OBSERVATION, StepInfo
+from fastcredit.rollout.actions import INVALID_OBSERVATION
+from fastcredit.rollout.agent import StepInfo
 
 TOKEN = "<|vision_start|>"  # the PRM's placeholder and PiCA's special token
 WORDS = "who wrote the river castle walnut prism ember glacier violet orbit summit doc title answer".split()

@@ -8,7 +8,8 @@ import torch
 
 from fastcredit.data.tokenizer import build_tiny_tokenizer
 from fastcredit.retrieval.observation import format_observation
-from fastcredit.rollout.agent import INVALID_OBSERVATION, AgentLimits, AgentLoop, classify_action
+from fastcredit.rollout.actions import INVALID_OBSERVATION, classify_action
+from fastcredit.rollout.agent import AgentLimits, AgentLoop
 from fastcredit.rollout.engines.base import GenOutput, SamplingParams
 from fastcredit.rollout.proceed import ProceedHook, proceed_flags
 from fastcredit.rollout.trajectory import TurnKind
@@ -290,7 +291,7 @@ def test_search_r1_turns_generate_past_the_tag_and_are_cut_after_it(tok):
 
 
 def test_cut_at_first_tag_prefers_search_and_keeps_untagged_actions_whole(tok):
-    from fastcredit.rollout.agent import cut_at_first_tag
+    from fastcredit.rollout.actions import cut_at_first_tag
 
     def ids(text):
         return tok(text, add_special_tokens=False)["input_ids"]

@@ -101,6 +101,26 @@ def test_warm_start_trains_a_policy_read_onto_the_cpu_on_the_gpu(world, tokenize
     assert len(losses) == 2 and all(p.device.type == "cuda" for p in lm.parameters())
 
 
+def test_the_warm_start_trains_the_same_weights_whatever_the_threads_around_it(world, tokenizer):
+    """``threads`` fixes torch's intra-op threads while it trains (float sums follow the thread count, so a warm
+    start made on 1 thread and one on 2 differed: greedy EM 0.447 against 0.500 on configs/compare_detour.yaml), and
+    restores the caller's count after."""
+    qs = world.questions[:24]
+    observe = lambda query: tokenizer(f"<information>{query}</information>", add_special_tokens=False)["input_ids"]  # noqa: E731
+    seqs = sft_sequences(qs, [tokenizer(q.question)["input_ids"] for q in qs], tokenizer, observe)
+    before, made = torch.get_num_threads(), []
+    try:
+        for around in (1, 3):
+            torch.set_num_threads(around)
+            lm = build_tiny_policy(tokenizer, hidden=48, layers=2, heads=2, seed=0)
+            sft_train(lm, seqs, pad_id=0, epochs=1, lr=1e-2, batch_size=12, progress=False, threads=1)
+            assert torch.get_num_threads() == around
+            made.append(lm.state_dict())
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(made[0][k], made[1][k]) for k in made[0])
+
+
 def test_cached_warm_start_is_made_once_and_keyed_by_its_own_seed(tmp_path):
     from fastcredit.config import load_config
     from fastcredit.trainer.sft import cached_warm_start, warm_start_fingerprint
@@ -117,6 +137,14 @@ def test_cached_warm_start_is_made_once_and_keyed_by_its_own_seed(tmp_path):
     assert base != key("warmstart.epochs=9") and base != key("rollout.max_obs_tokens=7")
     # detours change the demonstrations; at 0 (the default) the key is the one made before detours existed
     assert base == key("warmstart.detour_fraction=0") != key("warmstart.detour_fraction=0.3")
+    # where the searches go cannot change the observations (a server of the same index: bench_step's Search-R1
+    # design starts from the same warm start); what scores them can
+    assert base == key("retrieval.backend=http", "retrieval.url=http://127.0.0.1:9/retrieve", "retrieval.batch_size=8",
+                       "retrieval.across_ranks=replicate", "retrieval.batch_timeout_ms=9")
+    assert base != key("retrieval.topk=5") and base != key("retrieval.encoder=/models/e5")
+    # the warm start's threads: fixed by default (1); 0 means this machine's count, and keys as that count
+    assert base != key("warmstart.threads=2")
+    assert key("warmstart.threads=0") == key(f"warmstart.threads={torch.get_num_threads()}")
     said, runs = [], []
     made = torch.nn.Linear(3, 2)
 
