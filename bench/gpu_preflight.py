@@ -1,6 +1,6 @@
 """``make gpu-preflight``: what a CPU machine can check of the GPU path before a GPU is spent on it.
 
-    python bench/gpu_preflight.py OUTDIR [--stages kernels,build,rules] [--arch 80,90,100]
+    python bench/gpu_preflight.py OUTDIR [--stages kernels,build,rules,vllm] [--arch 80,90,100]
 
 Stages, each into OUTDIR as it goes, then OUTDIR/summary.md:
 
@@ -16,6 +16,11 @@ Stages, each into OUTDIR as it goes, then OUTDIR/summary.md:
   on GPUs (NCCL's device dispatch, gloo standing in), vLLM's executor and device for rank 3 of
   8, every CUDA-touching thread binding the rank's device, whitening over ranks, the policy
   read on rank 0 only: ``rules.xml`` (junit).
+* vllm: the lent GPU image's vLLM kit (``bench/gpu_preflight_vllm.py``): its parts against the manifest's sha256
+  sums, installed with ``--no-index --no-deps`` beside PyPI's CUDA build of torch 2.11.0 in ``.venv-vllm024``, no GPU
+  visible: ``from vllm import LLM``, the engine module, the 0.24 branch of ``vllm_compat``, and the CUDA path's
+  imports and engine configuration under a stand-in H100 platform: ``vllm_kit.json``. The first run makes the venv
+  (a few GB, about 2 minutes); later runs about 1 minute.
 
 Exit status 1 when a stage fails. What no CPU can check is listed in summary.md.
 """
@@ -31,7 +36,7 @@ import xml.etree.ElementTree as ET
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-STAGES = ("kernels", "build", "rules")
+STAGES = ("kernels", "build", "rules", "vllm")
 RULE_TESTS = ["tests/distributed/test_gpu_rules.py", "tests/runtime/test_devices.py",
               "tests/rollout/test_vllm_device.py"]
 CANNOT = [
@@ -88,10 +93,27 @@ def stage_rules(out: str) -> dict:
             "note": ", ".join(f"{v} {k}" for k, v in counts.items()) or "see rules.log"}
 
 
-def summary(out: str, results: dict) -> str:
+def stage_vllm(out: str) -> dict:
+    rc, s = run([sys.executable, "bench/gpu_preflight_vllm.py", out], os.path.join(out, "vllm_stage.log"))
+    path = os.path.join(out, "vllm_kit.json")
+    info = json.load(open(path)) if os.path.exists(path) else {}
+    if rc or info.get("status") != "passed":
+        note = f"failed at {info.get('failed_step')}: {info.get('reason', 'see vllm_stage.log')}"[:300]
+    else:
+        kit, probe, cuda = info["kit"], info["probe"], info["cuda_path"]
+        note = (f"kit {len(kit['parts'])} parts, {kit['total_mib']} MiB, hashes match; vllm {probe['vllm']} beside "
+                f"torch {probe['torch']}: LLM and the engine import, compat {sorted(set(probe['branches'].values()))}; "
+                f"CUDA path: {cuda['modules']} modules, FA{cuda['flash_attn_version']}, {cuda['executor']}, sleep mode")
+    return {"status": "passed" if rc == 0 else "failed", "seconds": round(s, 1), "note": note}
+
+
+def summary(out: str, results: dict, kept: set = frozenset()) -> str:
+    """summary.md: one row per stage (``kept``: rows of an earlier run, not run this time), the kernel table, and what
+    no CPU can check."""
     lines = ["# gpu-preflight (a CPU machine checking the GPU path)", "", "| stage | status | seconds | note |",
              "|---|---|---|---|"]
-    lines += [f"| {k} | {r['status']} | {r['seconds']} | {r['note']} |" for k, r in results.items()]
+    lines += [f"| {k} | {r['status']}{' (earlier run)' if k in kept else ''} | {r['seconds']} | {r['note']} |"
+              for k, r in results.items()]
     table = os.path.join(out, "kernels", "kernels.md")
     if os.path.exists(table):
         lines += ["", "## Triton kernels compiled ahead of time", "", open(table).read().strip()]
@@ -114,14 +136,18 @@ def main(argv=None) -> int:
         p.error(f"unknown stage(s) {', '.join(unknown)}; valid: {', '.join(STAGES)}")
     os.makedirs(a.out, exist_ok=True)
     done = {"kernels": lambda: stage_kernels(a.out, a.arch), "build": lambda: stage_build(a.out),
-            "rules": lambda: stage_rules(a.out)}
+            "rules": lambda: stage_rules(a.out), "vllm": lambda: stage_vllm(a.out)}
     results = {}
     for stage in stages:
         results[stage] = done[stage]()
         print(f"[gpu-preflight] {stage}: {results[stage]['status']} ({results[stage]['note']})", flush=True)
-    with open(os.path.join(a.out, "stages.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    print(summary(a.out, results))
+    # a subset of stages updates its own rows: the others keep their last run's, so summary.md stays whole
+    path = os.path.join(a.out, "stages.json")
+    earlier = json.load(open(path)) if os.path.exists(path) else {}
+    whole = {k: results.get(k, earlier.get(k)) for k in STAGES if k in results or k in earlier}
+    with open(path, "w") as f:
+        json.dump(whole, f, indent=1)
+    print(summary(a.out, whole, kept=set(whole) - set(results)))
     failed = [k for k, r in results.items() if r["status"] != "passed"]
     print(f"[gpu-preflight] {'FAILED: ' + ', '.join(failed) if failed else 'all stages passed'}")
     return 1 if failed else 0
