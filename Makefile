@@ -8,7 +8,8 @@ STACK  ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP  := $(VENV)/.installed-$(STACK)
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test` (0: one process); each test file stays on one worker (module fixtures are
-# built once), and each worker runs torch with one thread (tests/conftest.py).
+# built once), and each worker runs torch with one thread (tests/conftest.py). Files go out longest first
+# (tests/conftest.py's LONGEST_FIRST; --no-loadscope-reorder keeps that order instead of xdist's by test count).
 PYTEST_JOBS ?= 2
 # the environment's site-packages folder(s), printed by its python
 SITE_PACKAGES = $(PY) -c "import sysconfig as s; print(*{s.get_path('purelib'), s.get_path('platlib')})"
@@ -62,7 +63,7 @@ test: env
 	@# The package's bytecode, once: where PYTHONDONTWRITEBYTECODE is set (as on this project's CI) every one of the
 	@# suite's few hundred subprocesses would otherwise compile the modules it imports again.
 	$(PY) -m compileall -q -j 0 fastcredit kernels bench >/dev/null
-	$(PY) -m pytest tests -q -n $(PYTEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -n $(PYTEST_JOBS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: env
 	$(PY) -m pytest bench --benchmark-only -q

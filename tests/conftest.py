@@ -34,14 +34,31 @@ settings.register_profile("ci", deadline=None, print_blob=True)
 settings.load_profile("ci")
 
 
-# The files of a minute or more of a 2-core CI run, longest first (`make test PYTEST_ARGS=--durations=60`). `make test`
-# hands whole files to its two workers in collection order; taking these first keeps a long file from starting last
-# while the other worker sits idle (tests/test_train.py alone is ~7 minutes). Order only: a file missing here runs
-# in its usual place.
-LONGEST_FIRST = ("tests/test_train.py", "tests/test_compare.py", "tests/prm/test_prm_train.py", "tests/test_export.py",
-                 "tests/test_gpu_check.py", "tests/test_eval.py", "tests/distributed/test_deepspeed_update.py",
-                 "tests/distributed/test_fsdp_update.py", "tests/retrieval/test_server_soak.py",
-                 "tests/models/test_smollm2.py", "tests/test_bench_step.py", "tests/retrieval/test_cross_rank.py")
+# The files that take longest on a 2-core CI run, longest first (per-file sums of `--junitxml` times; the figures
+# of 2026-11-27 in seconds beside them). `make test` hands whole files to its two workers in this order (xdist's
+# --no-loadscope-reorder: its default reorders files by their number of tests), longest first, so that no long file
+# starts last while the other worker sits idle: the two workers end within a file of each other. Order only: a file
+# missing here runs after these, in its usual place.
+LONGEST_FIRST = (
+    "tests/test_train.py",                         # 143
+    "tests/test_split_train.py",                   # 103
+    "tests/prm/test_prm_train.py",                 # 92
+    "tests/test_compare.py",                       # 90
+    "tests/test_gpu_check.py",                     # 60
+    "tests/distributed/test_deepspeed_update.py",  # 55
+    "tests/distributed/test_fsdp_update.py",       # 52
+    "tests/test_eval.py",                          # 47
+    "tests/retrieval/test_server_soak.py",         # 41
+    "tests/test_export.py",                        # 35
+    "tests/test_bench_step.py",                    # 31
+    "tests/kernels/test_turn_surrogate.py",        # 26
+    "tests/test_layout.py",                        # 24
+    "tests/retrieval/test_cross_rank.py",          # 24
+    "tests/distributed/test_weight_stream.py",     # 19
+    "tests/rollout/test_llama_vllm.py",            # 19
+    "tests/rollout/test_vllm_engine.py",           # 16
+    "tests/credit/test_vectorised_vs_reference.py",  # 15
+)
 
 
 # Files that wait on a background job (tests/background.py) go last: by then the job is done and the wait is none.

@@ -196,17 +196,20 @@ def test_vllm_generates_what_transformers_generates(fsdp_run, tmp_path):
     with torch.no_grad():
         hf = hf_model(out).generate(IDS, max_new_tokens=12, do_sample=False,
                                     min_new_tokens=12)[0, IDS.shape[1]:].tolist()
+    # the engine core and its worker in this one process (vLLM's in-process executor): a multiprocess start imports
+    # vllm three times, about 20 of this test's seconds on a 2-core machine
     script = ("import json, sys\n"
               "from vllm import LLM, SamplingParams\n"
               "from vllm.inputs import TokensPrompt\n"
               "if __name__ == '__main__':\n"
               "    llm = LLM(model=sys.argv[1], dtype='float32', enforce_eager=True, enable_chunked_prefill=False,\n"
-              "              max_model_len=512, max_num_seqs=4, seed=0)\n"
+              "              max_model_len=512, max_num_seqs=4, seed=0, distributed_executor_backend='uni')\n"
               "    sp = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, ignore_eos=True)\n"
               "    out = llm.generate([TokensPrompt(prompt_token_ids=json.loads(sys.argv[2]))], sp, use_tqdm=False)\n"
               "    print('TOKENS', json.dumps(list(out[0].outputs[0].token_ids)))\n")
     proc = subprocess.run([sys.executable, "-c", script, out, json.dumps(prompt)], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+                          timeout=600, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                                                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("TOKENS ")][-1]
     assert json.loads(line[len("TOKENS "):]) == hf and len(hf) == 12

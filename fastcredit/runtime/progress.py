@@ -61,6 +61,7 @@ def _duration(seconds: float) -> str:
 
 
 def _count(x: float, scale: bool) -> str:
+    """A count as tqdm shows it: whole, or with a k / M / G suffix (``unit_scale``)."""
     if not scale:
         return f"{x:g}" if isinstance(x, float) and not x.is_integer() else f"{int(x)}"
     for unit in ("", "k", "M", "G", "T"):
@@ -68,6 +69,15 @@ def _count(x: float, scale: bool) -> str:
             return f"{x:.1f}{unit}" if unit else f"{x:.0f}"
         x /= 1000
     return f"{x:.1f}P"
+
+
+def _rate(x: float) -> str:
+    """Three significant digits, a k / M / G suffix past a thousand."""
+    for unit in ("", "k", "M", "G"):
+        if abs(x) < 999.5:
+            return f"{x:.3g}{unit}"
+        x /= 1000
+    return f"{x:.3g}T"
 
 
 class LineProgress:
@@ -127,8 +137,7 @@ class LineProgress:
         moved = self.n - self.start_n
         if moved > 0 and elapsed > 0:
             per = elapsed / moved
-            parts.append(f"{per:.3g} s/{self.unit}" if per >= 1 else
-                         f"{_count(moved / elapsed, self.unit_scale)} {self.unit}/s")
+            parts.append(f"{per:.3g} s/{self.unit}" if per >= 1 else f"{_rate(moved / elapsed)} {self.unit}/s")
         if self.postfix:
             parts.append(self.postfix)
         return (f"{self.desc}: " if self.desc else "") + ", ".join(parts)

@@ -43,7 +43,7 @@ def test_a_fast_bar_prints_its_rate_per_second_and_nothing_before_the_interval()
         for _ in range(20):
             clock.t += 1.0
             bar.update(100_000)
-    assert _lines(buf) == ["embeddings: 2.0M/2.0M passages (100%), 20s elapsed, 100.0k passage/s"]
+    assert _lines(buf) == ["embeddings: 2.0M/2.0M passages (100%), 20s elapsed, 100k passage/s"]
 
 
 def test_a_resumed_bar_counts_its_rate_from_where_it_started_and_a_bar_that_did_not_move_is_silent():

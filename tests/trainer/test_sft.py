@@ -1,4 +1,5 @@
 """The warm start: oracle trajectories quote what they read, labels cover actions only, and the loss falls."""
+import os
 import random
 
 import pytest
@@ -101,24 +102,47 @@ def test_warm_start_trains_a_policy_read_onto_the_cpu_on_the_gpu(world, tokenize
     assert len(losses) == 2 and all(p.device.type == "cuda" for p in lm.parameters())
 
 
-def test_the_warm_start_trains_the_same_weights_whatever_the_threads_around_it(world, tokenizer):
+WARM_START_SCRIPT = """
+import hashlib, sys
+import torch
+from fastcredit.data.tokenizer import build_tiny_tokenizer
+from fastcredit.data.toyworld import ToyWorldConfig, generate_world
+from fastcredit.models.tiny import build_tiny_policy
+from fastcredit.trainer.sft import sft_sequences, sft_train
+world = generate_world(ToyWorldConfig(num_people=40, num_companies=10, num_questions=24, seed=0))
+tok = build_tiny_tokenizer([q.question for q in world.questions] + ["<information>", "</information>"], 400)
+qs = world.questions[:24]
+seqs = sft_sequences(qs, [tok(q.question)["input_ids"] for q in qs], tok,
+                     lambda q: tok(f"<information>{q}</information>", add_special_tokens=False)["input_ids"])
+lm = build_tiny_policy(tok, hidden=48, layers=2, heads=2, seed=0)
+around = torch.get_num_threads()
+seen = []
+sft_train(lm, seqs, pad_id=0, epochs=1, lr=1e-2, batch_size=12, progress=False, threads=int(sys.argv[1]),
+          on_epoch=lambda k, loss: seen.append(torch.get_num_threads()))
+digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in lm.state_dict().values())).hexdigest()
+print("RESULT", around, seen[0], torch.get_num_threads(), digest)
+"""
+
+
+def test_the_warm_start_trains_the_same_weights_whatever_the_threads_around_it():
     """``threads`` fixes torch's intra-op threads while it trains (float sums follow the thread count, so a warm
     start made on 1 thread and one on 2 differed: greedy EM 0.447 against 0.500 on configs/compare_detour.yaml), and
-    restores the caller's count after."""
-    qs = world.questions[:24]
-    observe = lambda query: tokenizer(f"<information>{query}</information>", add_special_tokens=False)["input_ids"]  # noqa: E731
-    seqs = sft_sequences(qs, [tokenizer(q.question)["input_ids"] for q in qs], tokenizer, observe)
-    before, made = torch.get_num_threads(), []
-    try:
-        for around in (1, 3):
-            torch.set_num_threads(around)
-            lm = build_tiny_policy(tokenizer, hidden=48, layers=2, heads=2, seed=0)
-            sft_train(lm, seqs, pad_id=0, epochs=1, lr=1e-2, batch_size=12, progress=False, threads=1)
-            assert torch.get_num_threads() == around
-            made.append(lm.state_dict())
-    finally:
-        torch.set_num_threads(before)
-    assert all(torch.equal(made[0][k], made[1][k]) for k in made[0])
+    restores the caller's count after. Each run is a process of its own, started with 1 and with 2 threads."""
+    import subprocess
+    import sys
+
+    def run(omp: int, threads: int) -> list:
+        proc = subprocess.run([sys.executable, "-c", WARM_START_SCRIPT, str(threads)], capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": str(omp)})
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        assert proc.returncode == 0 and line, proc.stderr[-3000:]
+        return line[0].split()[1:]
+
+    one, more = run(1, 1), run(2, 1)
+    if more[0] == "1":
+        pytest.skip("one core: torch runs one thread whatever OMP_NUM_THREADS says")
+    assert one[:3] == ["1", "1", "1"] and more[:3] == ["2", "1", "2"]  # 1 while it trains, the caller's after
+    assert one[3] == more[3]
 
 
 def test_cached_warm_start_is_made_once_and_keyed_by_its_own_seed(tmp_path):
