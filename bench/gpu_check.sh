@@ -5,7 +5,9 @@
 # loses nothing written before it): env -> build the CUDA extension -> GPU tests and the kernel
 # tests compiled -> kernel benchmarks and targets -> three trainer steps -> two steps under torchrun on
 # every visible GPU (2 or more) -> the async-vs-lockstep rollout bench -> a step against the Search-R1
-# design, random weights -> the same, warm-started so that it searches -> an nsys profile -> summary.md.
+# design, random weights -> the same, warm-started so that it searches -> an nsys profile -> with vLLM (when it imports;
+# bench/gpu_check_vllm.py): the engine starts, sleep levels 1 and 2, the critic switch, async vs lockstep, three
+# colocated trainer steps, the step against the Search-R1 design -> summary.md.
 # Exit status 1 when any stage or target fails. Wheels placed in bench/wheels/ (or
 # $GPU_CHECK_WHEELS) are installed first with --no-deps (liger-kernel, nvtx, ... on a bare image).
 # GPU_CHECK_STAGES="kernels train" runs only those stages into the same OUTDIR (the summary reads
@@ -28,7 +30,8 @@ record() {  # stage status reason
   echo "[gpu-check] $1: $2${3:+ ($3)}"
 }
 export -f record
-ALL_STAGES="env build tests kernels train ranks rollout step search_step split nsys"
+VLLM_STAGES="vllm_engine vllm_sleep vllm_critic vllm_rollout vllm_train vllm_step"
+ALL_STAGES="env build tests kernels train ranks rollout step search_step split nsys $VLLM_STAGES"
 want() { [[ " ${GPU_CHECK_STAGES:-$ALL_STAGES} " == *" $1 "* ]]; }
 run_stage() {  # name, then a command or an exported function; a timeout or crash without a record is a failure
   local name=$1; shift
@@ -138,5 +141,8 @@ if [ "$CUDA" = 1 ] && command -v nsys >/dev/null; then
 elif want nsys; then
   record nsys "not run" "$([ "$CUDA" = 1 ] && echo 'nsys is not on PATH' || echo 'needs CUDA')"
 fi
+
+# each records "not run" and why without CUDA or an importable vLLM (on the lent image: the kit, docs/gpu.md)
+for s in $VLLM_STAGES; do run_stage "$s" "$PY" bench/gpu_check_vllm.py "${s#vllm_}" "$OUT"; done
 
 "$PY" bench/gpu_check.py summary "$OUT"
