@@ -83,9 +83,9 @@ KIT_WHEELS = [
 # Requirements of vllm 0.24.0 the kit leaves behind (none is imported on the engine's path), with why.
 LEFT_OUT = [
     ("flashinfer-python, flashinfer-cubin", "FlashInfer attention / sampling kernels (hundreds of MB): vLLM probes "
-     "them with find_spec and falls back to its Triton attention and PyTorch sampler"),
-    ("apache-tvm-ffi==0.1.9", "pinned for FlashInfer; xgrammar 0.2.8 (the first xgrammar allowing transformers 5) "
-     "needs >= 0.1.11, so the kit carries 0.1.15.post2"),
+     "them with find_spec and takes FlashAttention-3 (or its Triton attention) and its PyTorch sampler"),
+    ("apache-tvm-ffi==0.1.9", "pinned for FlashInfer; xgrammar from 0.2.6 (the first to allow transformers 5) needs "
+     ">= 0.1.10, so the kit carries xgrammar 0.2.8 with apache-tvm-ffi 0.1.15.post2"),
     ("tilelang, nvidia-cutlass-dsl[cu13], quack-kernels, tokenspeed-mla, humming-kernels[cu13]",
      "kernel DSLs and kernels for MLA, MoE, Blackwell and FP4 paths; imported only inside those paths"),
     ("nvidia-cudnn-frontend", "cuDNN attention (a FlashInfer option): not selected"),
