@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,28 +48,13 @@ import urllib.request
 import torch
 
 from results_io import child_env, device_name, write_results
+from step_report import comparability, headline, markdown, phase_table, plot, workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DESIGN = os.path.join(ROOT, "configs", "searchr1_design.yaml")
-DESIGNS = ("fastcredit", "searchr1_design")
 # What the Search-R1 design keeps whatever the overrides say (they go to both designs otherwise): its scripts move
 # the training state to the host between phases, so keeping it on the GPU is fastcredit's side only.
 DESIGN_PINNED = ("distributed.offload_state=true",)
-# (label, how it is read from a step's metrics row, top-level?)
-TOP = (("rollout", ("time/rollout",)), ("reward", ("time/reward",)), ("judge", ("time/judge",)),
-       ("old log-probs", ("time/old_logprobs",)), ("reference log-probs", ("time/ref_logprobs",)),
-       ("values", ("time/values",)), ("advantage", ("time/advantage",)), ("update", ("time/update",)))
-INSIDE = (("generation", ("time/rollout/generating",), ()),
-          ("retrieval wait", ("time/rollout/retrieving",), ("time/rollout/overlap",)),
-          ("weight sync", ("time/colocate/sync_weights",), ()),
-          ("offload / reload", ("time/colocate/offload", "time/colocate/reload"), ()),
-          ("engine sleep / wake", ("time/colocate/engine_sleep", "time/colocate/engine_wake"), ()))
-# What each design's steps did (medians over the timed steps): a step without searches leaves the retrieval path,
-# where the designs differ most, idle, so the figure says how much it searched.
-WORKLOAD = (("searches / trajectory", "searches_per_traj"), ("turns / trajectory", "turns_per_traj"),
-            ("response tokens / trajectory", "response_tokens_mean"), ("format followed", "format_ok"))
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -149,8 +134,18 @@ def _peak_gib() -> dict:
     return out
 
 
+def weights_digest(policy) -> str:
+    """sha256 over the policy's full weights (names, dtypes, bytes) as the trainer holds them (fp32 masters)."""
+    h = hashlib.sha256()
+    for name, tensor in policy.full_state(torch.float32):
+        h.update(name.encode())
+        h.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def run_design(name: str, config: str, overrides: list[str], work: str, steps: int, warmup: int) -> dict:
-    """Train ``warmup + steps`` steps of one design in this process; the timed steps' metrics rows."""
+    """Train ``warmup + steps`` steps of one design in this process: the timed steps' metrics rows, and the digest
+    of the policy's weights before the first step and after the last."""
     from fastcredit.config import load_config
     from fastcredit.distributed.process_group import init_distributed
     from fastcredit.trainer.loop import Trainer
@@ -160,9 +155,11 @@ def run_design(name: str, config: str, overrides: list[str], work: str, steps: i
     pinned = DESIGN_PINNED if name == "searchr1_design" else ()
     cfg = load_config(paths, [*overrides, *pinned, f"logging.output_dir={out}", f"optim.total_steps={warmup + steps}"])
     print(f"[{name}] {warmup} warm-up + {steps} timed steps: rollout.mode={cfg.rollout.mode}, "
-          f"retrieval.backend={cfg.retrieval.backend}, loss.impl={cfg.loss.impl}", flush=True)
+          f"stop_at_tags={cfg.rollout.stop_at_tags}, retrieval.backend={cfg.retrieval.backend}, "
+          f"loss.impl={cfg.loss.impl}, optim.lr={cfg.optim.lr:g}", flush=True)
     info = init_distributed(cfg.distributed.backend, cfg.distributed.shard_size)
     trainer = Trainer(cfg, info)
+    start = weights_digest(trainer.parts.policy)
     _reset_peak()
     t0 = time.perf_counter()
     try:
@@ -171,6 +168,7 @@ def run_design(name: str, config: str, overrides: list[str], work: str, steps: i
         trainer.logger.close()
     wall = time.perf_counter() - t0
     peak = _peak_gib()
+    end = weights_digest(trainer.parts.policy)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"time/step"' in line]
     del trainer
     gc.collect()
@@ -179,87 +177,20 @@ def run_design(name: str, config: str, overrides: list[str], work: str, steps: i
     timed = [r for r in rows if r["step"] > warmup]
     if len(timed) != steps:
         raise SystemExit(f"[{name}] expected {steps} timed steps in {out}/metrics.jsonl, found {len(timed)}")
-    return {"rows": timed, "wall_s": wall, "peak": peak}
+    return {"rows": timed, "wall_s": wall, "peak": peak, "start_weights": start, "end_weights": end}
 
 
-def _median(rows: list[dict], plus: tuple, minus: tuple = ()) -> float:
-    return statistics.median(sum(r.get(k, 0.0) for k in plus) - sum(r.get(k, 0.0) for k in minus) for r in rows)
-
-
-def phase_table(runs: dict) -> list[dict]:
-    """Rows ``{phase, inside, <design>: median seconds, ratio}``; top-level phases, "other", then "of which"."""
-    table = []
-    for label, keys in TOP:
-        if any(k in r for run in runs.values() for r in run["rows"] for k in keys):
-            table.append({"phase": label, "inside": False, **{d: _median(runs[d]["rows"], keys) for d in runs}})
-    top_keys = tuple(k for _, keys in TOP for k in keys)
-    table.append({"phase": "other", "inside": False,
-                  **{d: _median(runs[d]["rows"], ("time/step",), top_keys) for d in runs}})
-    for label, plus, minus in INSIDE:
-        if any(k in r for run in runs.values() for r in run["rows"] for k in plus):
-            table.append({"phase": label, "inside": True, **{d: _median(runs[d]["rows"], plus, minus) for d in runs}})
-    table.append({"phase": "step", "inside": False, **{d: _median(runs[d]["rows"], ("time/step",)) for d in runs}})
-    table.append({"phase": "tokens/s", "inside": False, **{d: _median(runs[d]["rows"], ("tokens_per_s",))
-                                                          for d in runs}})
-    for row in table:
-        a, b = row[DESIGNS[0]], row[DESIGNS[1]]
-        row["ratio"] = a / b if b > 1e-9 else None
-    return table
-
-
-def workload(runs: dict) -> list[dict]:
-    """Rows ``{what, <design>: median over the timed steps}`` of ``WORKLOAD``, the ones the runs logged."""
-    return [{"what": label, **{d: statistics.median(r[key] for r in runs[d]["rows"]) for d in runs}}
-            for label, key in WORKLOAD if all(key in r for run in runs.values() for r in run["rows"])]
-
-
-def markdown(report: dict) -> str:
-    a, b = DESIGNS
-    lines = [f"# Per-step time: fastcredit vs the Search-R1 design — {report['device']}", "",
-             f"{report['shape']} policy, `{os.path.relpath(report['config'], ROOT)}` "
-             f"{' '.join(report['overrides']) or ''}; medians of {report['steps']} steps after "
-             f"{report['warmup']} warm-up, same seed, data and batch.", "",
-             f"| phase | {a} (s) | {b} (s) | {a} / {b} |", "|---|---:|---:|---:|"]
-    for row in report["table"]:
-        name = f"&nbsp;&nbsp;of which: {row['phase']}" if row["inside"] else row["phase"]
-        if row["phase"] in ("step", "tokens/s"):
-            name = f"**{row['phase']}**"
-        ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}"
-        lines.append(f"| {name} | {row[a]:.3f} | {row[b]:.3f} | {ratio} |")
-    if report.get("workload"):
-        lines += ["", "What the timed steps did (medians):", "", f"| | {a} | {b} |", "|---|---:|---:|"]
-        lines += [f"| {w['what']} | {w[a]:.2f} | {w[b]:.2f} |" for w in report["workload"]]
-        searches = [w for w in report["workload"] if w["what"] == WORKLOAD[0][0]]
-        if searches and max(searches[0][d] for d in DESIGNS) == 0:
-            lines.append("\nNo trajectory searched: the retrieval path sat idle, so this step says little about "
-                         "the designs' retrieval (a warm-started policy searches).")
-    for d in DESIGNS:
-        peaks = ", ".join(f"{k} {v:.2f}" for k, v in report["runs"][d]["peak"].items()) or "n/a"
-        lines.append(f"\n{d}: peak memory {peaks}; wall {report['runs'][d]['wall_s']:.1f} s for all its steps.")
-    lines.append("\nTop-level phases add up to the step; \"of which\" rows are inside them (generation and retrieval "
-                 "wait inside rollout; sync, moves and sleeps inside whichever phase needed them).")
-    return "\n".join(lines) + "\n"
-
-
-def plot(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in report["table"] if not r["inside"] and r["phase"] not in ("step", "tokens/s")]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    bottom = [0.0, 0.0]
-    for r in rows:
-        ys = [r[d] for d in DESIGNS]
-        ax.bar(DESIGNS, ys, bottom=bottom, label=r["phase"])
-        bottom = [b + y for b, y in zip(bottom, ys)]
-    ax.set_ylabel("seconds per step (median)")
-    ax.set_title(f"{report['shape']} on {report['device']}", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def check_same_start(runs: dict, frozen: bool) -> str:
+    """The start weights' digest, the same for both designs (one warm start, or one random init); frozen: also the
+    end weights (lr 0 moved nothing, so every step rolled out the same policy). SystemExit names what differs."""
+    starts = {d: r["start_weights"] for d, r in runs.items()}
+    if len(set(starts.values())) != 1:
+        raise SystemExit(f"the designs start from different weights: {starts} (the warm start's cache key, or the "
+                         "model's initialisation, differs between them)")
+    moved = [d for d, r in runs.items() if frozen and r["end_weights"] != r["start_weights"]]
+    if moved:
+        raise SystemExit(f"optim.lr=0 but the weights of {moved} moved: the steps did not roll out one policy")
+    return next(iter(starts.values()))
 
 
 def main(argv=None) -> int:
@@ -270,6 +201,9 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="tiny", help="tiny, or a preset of fastcredit.trainer.memory (random weights)")
     p.add_argument("--work", default=None, help="folder for the runs and the toy world (default: a temporary one)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    p.add_argument("--learning", action="store_true",
+                   help="let the policy learn while timed (the config's optim.lr): each design then times its own "
+                        "policy's steps, not the same work; default: frozen (optim.lr=0), equal work")
     p.add_argument("--placement", choices=("colocated", "split"), default="colocated",
                    help="split: the split placement at each --staleness beside colocated, 2 ranks "
                         "(bench/step_split.py)")
@@ -282,11 +216,14 @@ def main(argv=None) -> int:
         p.error("--steps must be at least 1 and --warmup at least 0")
     work = a.work = a.work or tempfile.mkdtemp(prefix="bench_step_")
     world = os.path.join(work, "world")
-    # a warm start (a config that enables one) is made by each design (the Search-R1 design's oracle searches go to
-    # its /retrieve server, so its fingerprint differs) and kept in --work for a rerun
+    # one warm start (a config that enables one) for both designs: its cache key leaves out where the searches go,
+    # so the Search-R1 design (HTTP to the server below, same index) loads the one fastcredit's run made; --work
+    # keeps it for a rerun. Frozen (optim.lr=0, after the overrides): every step of both designs rolls out the one
+    # policy with the same prompts and per-trajectory seeds.
+    frozen = [] if a.learning else ["optim.lr=0", "optim.critic_lr=0"]
     common = [f"data.world_dir={world}", "eval.questions=0", "eval.every=0", "logging.checkpoint_every=0",
               "logging.progress=false", f"warmstart.cache_dir={os.path.join(work, 'warmstart')}",
-              *shape_overrides(a.shape), *a.overrides]
+              *shape_overrides(a.shape), *a.overrides, *frozen]
     if a.placement == "split":
         import step_split
 
@@ -303,22 +240,26 @@ def main(argv=None) -> int:
     finally:
         server.close()
     report = {"device": device_name("cuda" if torch.cuda.is_available() else "cpu"), "torch": torch.__version__,
-              "shape": a.shape, "config": a.config,
-              "overrides": a.overrides, "steps": a.steps, "warmup": a.warmup,
-              "runs": {d: {"wall_s": r["wall_s"], "peak": r["peak"], "rows": r["rows"]} for d, r in runs.items()}}
+              "shape": a.shape, "config": a.config, "overrides": a.overrides, "steps": a.steps, "warmup": a.warmup,
+              "frozen": not a.learning, "start_weights": check_same_start(runs, not a.learning),
+              "runs": {d: {k: r[k] for k in ("wall_s", "peak", "rows", "start_weights", "end_weights")}
+                       for d, r in runs.items()}}
     report["table"] = phase_table(runs)
     report["workload"] = workload(runs)
+    report["comparable"], report["not_comparable"] = comparability(report["workload"])
     step = next(r for r in report["table"] if r["phase"] == "step")
     report["step_ratio"] = step["ratio"]
-    text = markdown(report)
+    report["step_ratio_per_token"] = step["ratio_per_token"]
+    report["equal_work_ratio"] = step["ratio"] if report["comparable"] and not a.learning else None
+    report["headline"] = headline(report)
+    text = markdown(report, ROOT)
     print(text)
     json_path = write_results(f"step_{a.shape}" + (f"_{a.tag}" if a.tag else ""), report, a.out)
     stem = os.path.splitext(json_path)[0]
     with open(stem + ".md", "w") as f:
         f.write(text)
     plot(report, stem + ".png")
-    print(f"step ratio fastcredit / Search-R1 design: {report['step_ratio']:.2f} (target <= 0.4); "
-          f"wrote {stem}.{{json,md,png}}")
+    print(f"{report['headline']}; wrote {stem}.{{json,md,png}}")
     return 0
 
 

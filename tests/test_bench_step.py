@@ -1,4 +1,6 @@
-"""bench/bench_step.py end to end on the CPU (one timed step of each design), and its phase table's arithmetic."""
+"""bench/bench_step.py end to end on the CPU (one timed step of each design, frozen, from one warm start), and its
+report's arithmetic (bench/step_report.py): the phase table, time per token, the workload and when the two designs
+did the same work."""
 import json
 import os
 import subprocess
@@ -9,7 +11,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from bench_step import DESIGNS, markdown, phase_table, shape_overrides, workload  # noqa: E402
+from bench_step import check_same_start, shape_overrides  # noqa: E402
+from step_report import DESIGNS, comparability, headline, markdown, phase_table, workload  # noqa: E402
 
 
 def _row(n, **t):
@@ -36,6 +39,53 @@ def test_the_table_partitions_the_step_and_takes_medians():
     assert "judge" not in table and "values" not in table  # phases no design ran are left out
 
 
+def test_time_per_token_divides_each_step_by_its_own_tokens():
+    """Per trained token (prompt + response tokens of the step) for the phases; the generation per decoded token
+    (trajectories x decoded tokens per trajectory, the cut ones included)."""
+    a = [{**_row(s, step=2.0 * s, update=1.0 * s, **{"rollout/generating": 1.0}), "tokens/trained": 1000.0 * s,
+          "decoded_tokens_per_traj": 50.0, "trajectories": 4} for s in (1, 2, 3)]
+    b = [{**_row(s, step=4.0, update=2.0, **{"rollout/generating": 3.0}), "tokens/trained": 1000.0,
+          "decoded_tokens_per_traj": 150.0, "trajectories": 4} for s in (1, 2, 3)]
+    table = {r["phase"]: r for r in phase_table({DESIGNS[0]: {"rows": a}, DESIGNS[1]: {"rows": b}})}
+    assert table["update"][f"{DESIGNS[0]}_us_per_token"] == pytest.approx(1000.0)  # 1 s per 1,000 tokens each step
+    assert table["step"][f"{DESIGNS[1]}_us_per_token"] == pytest.approx(4000.0)
+    assert table["step"]["ratio_per_token"] == pytest.approx(0.5) and table["step"]["ratio"] == pytest.approx(1.0)
+    gen = table["generation"]
+    assert gen["per"] == "decoded" and gen[f"{DESIGNS[0]}_us_per_token"] == pytest.approx(1e6 / 200)
+    assert gen[f"{DESIGNS[1]}_us_per_token"] == pytest.approx(3e6 / 600) and gen["ratio_per_token"] == 1.0
+
+
+def test_steps_of_different_work_are_not_compared():
+    """Turns or response tokens per trajectory more than 5% apart: no speed-up, the reason instead."""
+    def runs(turns_b, tokens_b):
+        row = {"step": 1, "time/step": 1.0, "turns_per_traj": 2.0, "response_tokens_mean": 100.0}
+        return {DESIGNS[0]: {"rows": [row]},
+                DESIGNS[1]: {"rows": [{**row, "time/step": 2.0, "turns_per_traj": turns_b,
+                                       "response_tokens_mean": tokens_b}]}}
+
+    ok, why = comparability(workload(runs(2.08, 104.0)))
+    assert ok and not why
+    ok, why = comparability(workload(runs(2.97, 100.0)))
+    assert not ok and why == ["turns / trajectory differ by 33% (2.00 against 2.97)"]
+    report = {"table": phase_table(runs(2.97, 100.0)), "comparable": ok, "not_comparable": why}
+    assert headline(report).startswith("not comparable: turns / trajectory differ by 33%")
+    assert "no speed-up is claimed" in headline(report)
+    fair = runs(2.0, 103.0)
+    report = {"table": phase_table(fair), "comparable": True, "not_comparable": []}
+    assert headline(report) == "equal-work step ratio fastcredit / Search-R1 design: 0.50"
+
+
+def test_the_designs_must_start_from_one_policy_and_a_frozen_one_must_not_move():
+    same = {d: {"start_weights": "abc", "end_weights": "abc"} for d in DESIGNS}
+    assert check_same_start(same, frozen=True) == "abc"
+    with pytest.raises(SystemExit, match="start from different weights"):
+        check_same_start({**same, DESIGNS[1]: {"start_weights": "abd", "end_weights": "abd"}}, frozen=True)
+    moved = {**same, DESIGNS[0]: {"start_weights": "abc", "end_weights": "xyz"}}
+    with pytest.raises(SystemExit, match=r"optim.lr=0 but the weights of \['fastcredit'\] moved"):
+        check_same_start(moved, frozen=True)
+    assert check_same_start(moved, frozen=False) == "abc"  # --learning: the weights move, as they should
+
+
 def test_the_workload_says_how_much_each_design_searched():
     """Medians over the timed steps; a step where no design searched says that its retrieval sat idle."""
     def rows(searches):
@@ -51,12 +101,14 @@ def test_the_workload_says_how_much_each_design_searched():
     assert [w["what"] for w in workload(runs)] == ["searches / trajectory", "turns / trajectory",
                                                    "response tokens / trajectory"]
     report = {"device": "cpu", "shape": "tiny", "config": os.path.join(ROOT, "configs", "debug.yaml"),
-              "overrides": [], "steps": 3, "warmup": 1, "table": [],
+              "overrides": [], "steps": 3, "warmup": 1, "table": phase_table(runs),
+              "comparable": False, "not_comparable": ["turns / trajectory differ by 33% (2.00 against 3.00)"],
               "runs": {d: {"peak": {}, "wall_s": 1.0} for d in DESIGNS}, "workload": workload(runs)}
-    md = markdown(report)
+    md = markdown(report, ROOT)
     assert "| searches / trajectory | 1.00 | 2.00 |" in md and "No trajectory searched" not in md
     idle = {d: {"rows": rows([0.0, 0.0])} for d in DESIGNS}
-    assert "No trajectory searched" in markdown({**report, "workload": workload(idle)})
+    assert "No trajectory searched" in markdown({**report, "workload": workload(idle)}, ROOT)
+    assert "**not comparable: turns / trajectory differ by 33%" in md
 
 
 def test_child_processes_keep_the_inherited_pythonpath(monkeypatch):
@@ -86,18 +138,27 @@ def test_shapes_come_from_the_memory_presets():
 def test_bench_step_runs_both_designs_and_writes_its_results(tmp_path):
     """One timed step per design (no warm-up) of a 4-trajectory batch, the Search-R1 design's retriever being the
     /retrieve server the script starts; the policy's vocabulary rows exceed its tokenizer's (ids past it decode
-    to nothing)."""
+    to nothing). Both designs start from the one warm start fastcredit's run made (the Search-R1 design loads it:
+    the cache key leaves out where searches go), and the policy is frozen: the same weights before and after."""
     out = tmp_path / "results"
     cmd = [sys.executable, "bench/bench_step.py", "--steps", "1", "--warmup", "0", "--work", str(tmp_path / "w"),
            "--out", str(out), "--tag", "t", "optim.batch_prompts=2", "rollout.n_samples=2",
            "optim.mini_batch_prompts=2", "data.toy.num_questions=40", "data.toy.num_people=80",
-           "data.toy.num_companies=20", "model.tiny_vocab_rows=3000", "distributed.offload_state=false"]
+           "data.toy.num_companies=20", "model.tiny_vocab_rows=3000", "distributed.offload_state=false",
+           "warmstart.enabled=true", "warmstart.epochs=1", "warmstart.questions=8"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/bench"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.load(open(next(out.glob("step_tiny_t_*.json"))))
     assert [w["what"] for w in report["workload"]][0] == "searches / trajectory"
-    assert set(report["runs"]) == set(DESIGNS) and report["step_ratio"] > 0
+    assert set(report["runs"]) == set(DESIGNS) and report["step_ratio"] > 0 and report["frozen"]
+    assert {r["start_weights"] for r in report["runs"].values()} == {r["end_weights"] for r in
+                                                                     report["runs"].values()} == \
+        {report["start_weights"]}
+    assert "warm start: loaded from" in proc.stdout.split("[searchr1_design]")[1]
+    assert report["headline"].startswith(("equal-work step ratio", "not comparable"))
+    assert {"decoded tokens / trajectory", "trained tokens / step", "invalid turns / trajectory"} <= \
+        {w["what"] for w in report["workload"]}
     base = report["runs"]["searchr1_design"]["rows"][0]
     assert base["step"] == 1 and base["time/step"] > 0 and "time/rollout/generating" in base
     phases = {r["phase"] for r in report["table"]}

@@ -90,8 +90,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     share = f"{QUICK_STEP_SHARE:.0%}".replace("%", "%%")  # argparse %-formats help texts
     p.add_argument("--quick", action="store_true", help=f"1 seed and {share} of the steps")
     p.add_argument("--jobs", type=int, default=1,
-                   help="runs at a time once the warm start is made, each with cores/jobs torch threads (seconds per "
-                        "step are then measured side by side)")
+                   help="runs at a time once the warm start is made (seconds per step are then measured side by "
+                        "side); on a 2-core machine --jobs 2 keeps both cores busy")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of each run (default 1): float sums follow the thread count, so a fixed count "
+                        "gives the same runs on any machine; the report's name carries it")
     p.add_argument("--runs", default=None,
                    help="folder of the runs (default: runs/<run_name>, runs/<run_name>_quick with --quick); "
                         "a run kept there must have been made with the settings this command gives it")
@@ -113,6 +116,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--seeds must be at least 1, got {args.seeds}")
     if args.jobs < 1:
         p.error(f"--jobs must be at least 1, got {args.jobs}")
+    if args.threads < 1:
+        p.error(f"--threads must be at least 1, got {args.threads}")
     if not all(k.strip().isdigit() for k in args.staleness.split(",") if k.strip()):
         p.error(f"--staleness takes comma-separated whole numbers, got {args.staleness!r}")
     args.staleness = tuple(int(k) for k in args.staleness.split(",") if k.strip())
@@ -151,30 +156,18 @@ class _LogTail:
         self.fh.close()
 
 
-def run_threads(jobs: int) -> Optional[int]:
-    """Torch threads of each run when ``jobs`` run side by side: the cores shared out, at most ``$OMP_NUM_THREADS``
-    where that is set; None (torch's default) for one run at a time."""
-    if jobs <= 1:
-        return None
-    share = max(1, (os.cpu_count() or 1) // jobs)
-    cap = os.environ.get("OMP_NUM_THREADS", "")
-    return min(share, int(cap)) if cap.isdigit() and int(cap) > 0 else share
-
-
 class _Run:
     """One training run in a subprocess, its output in ``folder/train.log``; :meth:`poll` prints its progress
     (steps from metrics.jsonl, status lines from the log) and, once it has ended, writes ``result.json``."""
 
     def __init__(self, cmd: list[str], folder: str, label: str, seed: int, total_steps: int, tag: str,
-                 threads: Optional[int]):
+                 threads: int):
         os.makedirs(folder, exist_ok=True)
         self.folder, self.label, self.seed, self.total, self.tag = folder, label, seed, total_steps, tag
         self.threads = threads
         self.log = os.path.join(folder, "train.log")
         self.metrics = os.path.join(folder, "metrics.jsonl")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        if threads is not None:
-            env["OMP_NUM_THREADS"] = str(threads)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
         self.out = open(self.log, "a", encoding="utf-8")
         self.tail = _LogTail(self.log, f"{label} seed {seed}")
         self.out.write(f"\n$ {' '.join(cmd)}\n")
@@ -248,7 +241,7 @@ def run_all(args, overrides: list[str], cfg) -> Optional[str]:
     shared = [*overrides, f"optim.total_steps={total}", "logging.progress=false",
               f"warmstart.seed={cfg.warmstart.seed_for(cfg.seed)}", f"warmstart.cache_dir={cache}",
               f"eval.seed={cfg.eval.seed_for(cfg.seed)}"]
-    threads = run_threads(args.jobs)
+    threads = args.threads
     # seed by seed, every method within a seed: a comparison stopped part-way (and resumed in another session) has
     # whole seeds to pair
     todo = [(label, extra, cfg.seed + k) for k in range(args.seeds)
@@ -280,8 +273,8 @@ def run_all(args, overrides: list[str], cfg) -> Optional[str]:
                 if os.path.isdir(ckpt) and os.listdir(ckpt):
                     cmd.append("--resume")
                 print(f"{tag} {label} seed {seed}{' (resuming)' if '--resume' in cmd else ''}", flush=True)
-                # a split run's two ranks share its cores (torchrun gives each 1 thread when none is set)
-                each = threads if threads is None or SPLIT not in run_overrides else max(1, threads // 2)
+                # a split run's two ranks share its threads
+                each = threads if SPLIT not in run_overrides else max(1, threads // 2)
                 running.append(_Run(cmd, folder, label, seed, total, tag, each))
             if failed is not None and not running:
                 break

@@ -170,8 +170,9 @@ class JudgesConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = opt(1e-6, "policy learning rate", range=POS)
-    critic_lr: float = opt(1e-5, "value-model learning rate (ppo, pica)", range=POS)
+    lr: float = opt(1e-6, "policy learning rate (0: the policy stays as it started, every step doing the same work: "
+                          "bench/bench_step.py's equal-work timing)", range=NONNEG, note="0: frozen")
+    critic_lr: float = opt(1e-5, "value-model learning rate (ppo, pica; 0: frozen)", range=NONNEG, note="0: frozen")
     weight_decay: float = opt(0.01, "AdamW weight decay", range=NONNEG)
     betas: list[float] = opt([0.9, 0.999], "AdamW betas", range="[0, 1)", note="each of the two")
     warmup_ratio: float = opt(0.0, "linear warm-up over this fraction of the steps", range="[0, 1)")
@@ -249,11 +250,12 @@ class WarmStartConfig:
     seed: Optional[int] = opt(None, "seed of the warm start: the tiny policy's initialisation and the order of the "
                                     "supervised pass (null: the run seed); runs that differ only in their run seed "
                                     "share a warm start when this is set", range=SEED)
-    threads: int = opt(1, "CPU threads of the warm start's supervised pass (torch's intra-op threads, restored "
+    threads: int = opt(2, "CPU threads of the warm start's supervised pass (torch's intra-op threads, restored "
                           "after): fixed, because float sums follow the thread count and the warm-started weights "
                           "(greedy EM 0.500 on 2 threads, 0.447 on 1, configs/compare_detour.yaml) would otherwise "
-                          "depend on the machine; part of the warm start's cache key (0: torch's default, this "
-                          "machine's count)", range=NONNEG, note="0: torch's default")
+                          "depend on the machine; 2, the reference machine's cores, which made the demo's figure; "
+                          "part of the warm start's cache key (0: torch's default, this machine's count)",
+                       range=NONNEG, note="0: torch's default")
     cache_dir: Optional[str] = opt(None, "folder of cached warm starts: one made with the same data, model, "
                                          "retrieval, warm-start seed and warmstart settings (and the rollout "
                                          "settings that shape its observations) is loaded instead of redone")

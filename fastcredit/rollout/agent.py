@@ -108,6 +108,7 @@ class Episode:
         self.logprobs: list[float] = []
         self.logprobs_missing = False  # an action came without the engine's log-probs (not requested)
         self.response_len = 0
+        self.decoded_tokens = 0  # every token the engine generated, those cut after a tag included
         self.done = False
         self._pending: Optional[tuple] = None  # (action ids, logprobs, step) awaiting its observation
         self._demo_next = False  # the next finished turn's action is a refined (demonstration) one
@@ -129,6 +130,7 @@ class Episode:
         None when the trajectory ended (answer, truncation). The action's kind: :mod:`fastcredit.rollout.actions`
         (Search-R1's first complete pair with ``stop_at_tags`` off)."""
         ids = list(out.token_ids)
+        self.decoded_tokens += len(ids)
         lps = list(out.logprobs) if out.logprobs is not None else [0.0] * len(ids)
         self.logprobs_missing |= out.logprobs is None and bool(ids)
         if not self.limits.stop_at_tags:
@@ -274,6 +276,8 @@ def _stats(episodes: list[Episode], seconds: float, search_calls: int, activity:
     B = max(len(episodes), 1)
     tokens = sum(e.response_len for e in episodes)
     return {"turns_per_traj": len(kinds) / B, "searches_per_traj": kinds.count(TurnKind.SEARCH) / B,
+            # generated tokens, the ones Search-R1's turns cut after the tag included (the decode's real work)
+            "decoded_tokens_per_traj": sum(e.decoded_tokens for e in episodes) / B, "trajectories": len(episodes),
             "invalid_per_traj": kinds.count(TurnKind.INVALID) / B,
             "truncated_frac": kinds.count(TurnKind.TRUNCATED) / B,
             "response_tokens_mean": tokens / B, "rollout_s": seconds,

@@ -160,6 +160,7 @@ def step_metrics(parts: Parts, info: DistInfo, timer: PhaseTimer, metrics: dict,
     metrics.update({f"time/colocate/{k}": v for k, v in parts.phases.take_timings().items()})
     metrics["time/step"] = time.perf_counter() - t0
     all_tokens = float(all_reduce_sum(torch.tensor([tokens], dtype=torch.float64), info))
+    metrics["tokens/trained"] = all_tokens  # prompt + response tokens every pass and the update run over
     metrics["tokens_per_s"] = all_tokens / metrics["time/step"]
     metrics.update(parts.memory)
     parts.memory.clear()

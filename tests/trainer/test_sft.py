@@ -166,8 +166,8 @@ def test_cached_warm_start_is_made_once_and_keyed_by_its_own_seed(tmp_path):
     assert base == key("retrieval.backend=http", "retrieval.url=http://127.0.0.1:9/retrieve", "retrieval.batch_size=8",
                        "retrieval.across_ranks=replicate", "retrieval.batch_timeout_ms=9")
     assert base != key("retrieval.topk=5") and base != key("retrieval.encoder=/models/e5")
-    # the warm start's threads: fixed by default (1); 0 means this machine's count, and keys as that count
-    assert base != key("warmstart.threads=2")
+    # the warm start's threads: fixed by default (2); 0 means this machine's count, and keys as that count
+    assert base == key("warmstart.threads=2") != key("warmstart.threads=1")
     assert key("warmstart.threads=0") == key(f"warmstart.threads={torch.get_num_threads()}")
     said, runs = [], []
     made = torch.nn.Linear(3, 2)
