@@ -51,6 +51,9 @@ EXTRAS = {
     "gpu": [
         TORCH, TRITON, TRANSFORMERS, VLLM, FAISS_CPU, LIGER, DEEPSPEED, NVTX,
     ],
+    # `make demo` on a CPU: what the toy world's training needs and nothing more (no vLLM, DeepSpeed, SmolLM2 or the
+    # test tools), so a fresh machine reaches the demo's first step sooner; `make test` adds the rest.
+    "demo": [TORCH, TRITON, TRANSFORMERS, FAISS_CPU],
     # Separate because PyPI has only its source: building it needs nvcc and about an hour.
     "flash": ["flash-attn==2.8.3.post2"],
     # fastapi, uvicorn, requests: bench/bench_retrieval.py rebuilds Search-R1's server and client

@@ -6,7 +6,8 @@ import glob
 import json
 import os
 
-STAGES = ("env", "build", "tests", "kernels", "train", "ranks", "rollout", "step", "search_step", "split", "nsys")
+STAGES = ("env", "build", "tests", "kernels", "train", "ranks", "rollout", "step", "search_step", "split", "nsys",
+          "vllm_engine", "vllm_sleep", "vllm_critic", "vllm_rollout", "vllm_train", "vllm_step")
 
 
 def _fmt(v) -> str:

@@ -46,6 +46,7 @@ def test_the_gpu_check_runs_on_a_cpu(tmp_path):
                                                                                              "forward+backward"}
     summary = (out / "summary.md").read_text()
     assert "| kernels | passed |" in summary and "not run" in summary and "packed vs padded forward" in summary
+    assert "| vllm_sleep | not run | no CUDA |" in summary  # the vLLM stages are in the summary too
 
 
 def _row(op, shape, provider, ms, **kw):
@@ -68,7 +69,8 @@ def test_a_check_split_over_two_runs_is_not_a_pass_until_every_stage_ran(tmp_pat
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_STAGES": "env build"}
     proc = subprocess.run(["bash", "bench/gpu_check.sh", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env=env)
-    failed = "FAILED: tests, kernels, train, ranks, rollout, step, search_step, split, nsys"
+    failed = ("FAILED: tests, kernels, train, ranks, rollout, step, search_step, split, nsys, vllm_engine, vllm_sleep, "
+              "vllm_critic, vllm_rollout, vllm_train, vllm_step")
     assert proc.returncode == 1 and failed in proc.stdout
     assert "| kernels | failed | no result in OUTDIR" in (tmp_path / "summary.md").read_text()
     assert json.load(open(tmp_path / "stage_build.json"))["status"] == "not run"
