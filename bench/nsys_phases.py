@@ -21,9 +21,12 @@ Input: the CSV of nsys's ``nvtx_sum`` report (columns ``Time (%)``, ``Total Time
 
 Output: a markdown table on stdout and in ``PREFIX.md``, the same numbers in ``PREFIX.json`` (``--out PREFIX``;
 by default ``<csv stem>_phases`` next to the CSV). Per phase: nsys seconds per step (Total Time / number
-of profiled steps: the Instances of ``step``, else ``--num-steps``), its instances, the timers' seconds per
-step (the mean over the ``--steps`` rows of metrics.jsonl, a step without the key counting 0 s, as nsys's
-total does), and nsys / timers. Bad input exits 2 with one line on stderr. Standard library only.
+of profiled steps: the Instances of ``step``, else ``--num-steps``), its share of the step, its instances, the
+timers' seconds per step (the mean over the ``--steps`` rows of metrics.jsonl, a step without the key counting
+0 s, as nsys's total does), and nsys / timers. The table is ``fastcredit.runtime.phase_table``'s, the one
+``python -m fastcredit.train --profile`` writes from its torch.profiler trace (which adds the device time and the
+heaviest kernels of each phase; nvtx_sum has neither). Bad input exits 2 with one line on stderr. Standard
+library and that module (itself standard library only).
 nsys sums a range over every process it traced: under torchrun each rank adds its own ``step``, so the
 profiled steps counted are steps x ranks and the nsys column is per rank, as the timers are (rank means).
 """
@@ -35,49 +38,19 @@ import io
 import json
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-DOMAIN = "fastcredit"
-PHASES = ("rollout", "reward", "judge", "old_logprobs", "ref_logprobs", "values", "advantage", "update",
-          "checkpoint", "eval")
-NESTED = ("sync_weights", "switch_to_critic", "offload", "reload", "engine_sleep", "engine_wake")
-STEP = "step"
-ALL_NAMES = (*PHASES, *NESTED, STEP)
+from fastcredit.runtime.phase_table import (InputError, RangeRow, build_rows, classify, markdown, num_profiled_steps,
+                                            report)
+
+NvtxRow = RangeRow  # an nvtx_sum row is one range's total
 UNIT_NS = {"ns": 1.0, "nsec": 1.0, "us": 1e3, "usec": 1e3, "\u00b5s": 1e3, "\u03bcs": 1e3, "ms": 1e6,
            "msec": 1e6, "s": 1e9, "sec": 1e9}
 TOTAL_RE = re.compile(r"^Total Time(?:\s*\((\S+)\))?$")
-NOTE = ("Rows marked * are the colocation manager's ranges, nested inside their parent phase (judge, the "
-        "log-prob passes, update, ...), so the column does not add up to the step; checkpoint and eval run "
-        "between steps, outside the step range.")
-
-
-class InputError(Exception):
-    """Bad input: reported as one line on stderr, exit status 2."""
-
-
-@dataclass
-class NvtxRow:
-    range: str          # as nsys wrote it, e.g. "fastcredit:rollout"
-    style: str          # "PushPop" / "StartEnd"; "" in reports without the column
-    total_ns: int
-    instances: int
-
-
-@dataclass
-class PhaseRow:
-    phase: str
-    nested: bool
-    nsys_total_ns: Optional[int]
-    instances: Optional[int]
-    nsys_s_per_step: Optional[float]
-    timers_s_per_step: Optional[float]
-    ratio: Optional[float]
 
 
 # ----------------------------------------------------------------------------------------------- nsys CSV
@@ -131,49 +104,22 @@ def parse_nvtx_csv(text: str, path: Path) -> list[NvtxRow]:
     return out
 
 
-def split_range(tag: str) -> tuple[Optional[str], str]:
-    """(domain, name): ``fastcredit:rollout`` -> ("fastcredit", "rollout"), ``:rollout`` -> ("", "rollout"),
-    ``rollout`` -> (None, "rollout")."""
-    if ":" in tag:
-        domain, name = tag.split(":", 1)
-        return domain, name
-    return None, tag
-
-
-def classify(rows: list[NvtxRow]) -> tuple[dict[str, NvtxRow], list[NvtxRow]]:
-    """Rows of the trainer's ranges by name (summed over styles), and the others. Once the file names the
-    ``fastcredit`` domain, a ``:name`` or bare ``name`` comes from another domain and goes with the others."""
-    named = [(r, *split_range(r.range)) for r in rows]
-    prefixed = any(d == DOMAIN and n in ALL_NAMES for _, d, n in named)
-    accepted = (DOMAIN,) if prefixed else (DOMAIN, "", None)
-    phases: dict[str, NvtxRow] = {}
-    other = []
-    for row, domain, name in named:
-        if name in ALL_NAMES and domain in accepted:
-            had = phases.get(name)
-            phases[name] = row if had is None else NvtxRow(had.range, f"{had.style}+{row.style}",
-                                                           had.total_ns + row.total_ns, had.instances + row.instances)
-        else:
-            other.append(row)
-    return phases, other
-
-
-def _nsys_stats(report: Path, prefix: Path) -> Path:
+def _nsys_stats(rep: Path, prefix: Path) -> Path:
     """Run ``nsys stats`` on a .nsys-rep / .sqlite; the CSV it wrote."""
     nsys = shutil.which("nsys")
     if nsys is None:
-        raise InputError(f"nsys is not on PATH, so {report} cannot be read here: run `nsys stats -q -r nvtx_sum "
-                         f"-f csv -o prof {report}` where nsys is installed and pass the prof_nvtx_sum.csv it writes")
+        raise InputError(f"nsys is not on PATH, so {rep} cannot be read here: run `nsys stats -q -r nvtx_sum "
+                         f"-f csv -o prof {rep}` where nsys is installed and pass the prof_nvtx_sum.csv it writes")
     said = ""
     for name in ("nvtx_sum", "nvtxsum"):  # the report's name in recent nsys, and in older ones
-        done = subprocess.run([nsys, "stats", "-q", "-r", name, "-f", "csv", "-o", str(prefix), str(report)],
+        done = subprocess.run([nsys, "stats", "-q", "-r", name, "-f", "csv", "-o", str(prefix), str(rep)],
                               capture_output=True, text=True)
         written = sorted(prefix.parent.glob(f"{prefix.name}_*.csv"))
         if done.returncode == 0 and written:
             return written[0]
         output = (done.stderr + done.stdout).strip().splitlines()
         said = output[-1] if output else f"exit status {done.returncode}"
-    raise InputError(f"nsys stats wrote no nvtx_sum CSV for {report} (does it hold NVTX ranges?): {said}")
+    raise InputError(f"nsys stats wrote no nvtx_sum CSV for {rep} (does it hold NVTX ranges?): {said}")
 
 
 def read_text(path: Path) -> str:
@@ -230,63 +176,6 @@ def load_step_rows(path: Path, steps: list[int]) -> dict[int, dict]:
     return rows
 
 
-def timer_key(phase: str) -> str:
-    return f"time/colocate/{phase}" if phase in NESTED else f"time/{phase}"
-
-
-def timers_per_step(rows: dict[int, dict], phase: str) -> Optional[float]:
-    """Mean seconds of ``phase`` over the step rows (0 where a step lacks it); None when no row has it."""
-    key = timer_key(phase)
-    if not any(key in r for r in rows.values()):
-        return None
-    return statistics.fmean(float(r.get(key, 0.0)) for r in rows.values())
-
-
-# ------------------------------------------------------------------------------------------------ table
-def num_profiled_steps(phases: dict[str, NvtxRow], num_steps: Optional[int], path: Path) -> tuple[int, str]:
-    if STEP in phases and phases[STEP].instances > 0:
-        found = phases[STEP].instances
-        if num_steps is not None and num_steps != found:
-            print(f"nsys_phases: warning: --num-steps {num_steps} but {path} has {found} instances of the step "
-                  f"range; using {found}", file=sys.stderr)
-        return found, "Instances of the step range"
-    if num_steps is not None:
-        return num_steps, "--num-steps"
-    raise InputError(f"{path}: no '{DOMAIN}:step' range to count the profiled steps by; give --num-steps N")
-
-
-def build_rows(phases: dict[str, NvtxRow], n_steps: int, metrics: Optional[dict[int, dict]]) -> list[PhaseRow]:
-    out = []
-    for phase in (*PHASES, *NESTED, STEP):
-        nv = phases.get(phase)
-        timers = timers_per_step(metrics, phase) if metrics else None
-        if nv is None and timers is None:
-            continue
-        nsys_s = nv.total_ns / 1e9 / n_steps if nv is not None else None
-        ratio = nsys_s / timers if nsys_s is not None and timers else None
-        out.append(PhaseRow(phase, phase in NESTED, nv.total_ns if nv else None, nv.instances if nv else None,
-                            nsys_s, timers, ratio))
-    return out
-
-
-def _cell(value: Optional[float], fmt: str) -> str:
-    return "" if value is None else format(value, fmt)
-
-
-def markdown(rows: list[PhaseRow], info: dict) -> str:
-    lines = [f"nsys: {info['nsys']} ({info['num_steps']} profiled steps, from {info['num_steps_from']})",
-             f"timers: {info['metrics'] or '(no --metrics)'}"
-             + (f", steps {', '.join(map(str, info['steps_found']))}" if info["metrics"] else ""), "",
-             "| phase | nsys s/step | instances | timers s/step | nsys/timers |",
-             "|---|---:|---:|---:|---:|"]
-    for r in rows:
-        label = f"{r.phase}*" if r.nested else r.phase
-        lines.append(f"| {label} | {_cell(r.nsys_s_per_step, '.4f')} | {_cell(r.instances, 'd')} | "
-                     f"{_cell(r.timers_s_per_step, '.4f')} | {_cell(r.ratio, '.3f')} |")
-    lines += ["", NOTE]
-    return "\n".join(lines) + "\n"
-
-
 # ------------------------------------------------------------------------------------------------- main
 def parse_steps(text: str) -> list[int]:
     """``3,4,5`` or ``3-5`` (or a mix) -> [3, 4, 5]."""
@@ -330,7 +219,10 @@ def run(args: argparse.Namespace) -> int:
     nvtx_rows = load_nvtx(args.profile)
     phases, other = classify(nvtx_rows)
     metrics = load_step_rows(args.metrics, args.steps) if args.metrics else None
-    n_steps, n_from = num_profiled_steps(phases, args.num_steps, args.profile)
+    n_steps, n_from = num_profiled_steps(phases, args.num_steps, str(args.profile))
+    if args.num_steps is not None and n_from != "--num-steps" and args.num_steps != n_steps:
+        print(f"nsys_phases: warning: --num-steps {args.num_steps} but {args.profile} has {n_steps} instances of the "
+              f"step range; using {n_steps}", file=sys.stderr)
     if metrics is not None:
         absent = [s for s in args.steps if s not in metrics]
         if absent:
@@ -340,16 +232,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"nsys_phases: warning: {len(metrics)} step(s) of timers against {n_steps} profiled step(s)",
                   file=sys.stderr)
     rows = build_rows(phases, n_steps, metrics)
-    info = {"nsys": str(args.profile), "metrics": str(args.metrics) if args.metrics else None,
+    info = {"source": "nsys", "profile": str(args.profile), "metrics": str(args.metrics) if args.metrics else None,
             "steps": args.steps, "steps_found": sorted(metrics) if metrics else [],
-            "num_steps": n_steps, "num_steps_from": n_from}
+            "num_steps": n_steps, "num_steps_from": n_from, "device": None}
     table = markdown(rows, info)
-    report = {**info, "rows": [asdict(r) for r in rows], "other": [asdict(r) for r in other], "note": NOTE}
     prefix = args.out or default_prefix(args.profile)
     try:
         prefix.parent.mkdir(parents=True, exist_ok=True)
         Path(f"{prefix}.md").write_text(table)
-        Path(f"{prefix}.json").write_text(json.dumps(report, indent=1) + "\n")
+        Path(f"{prefix}.json").write_text(json.dumps(report(rows, other, info), indent=1) + "\n")
     except OSError as e:
         raise InputError(f"cannot write {prefix}.md / .json: {e.strerror or e}") from None
     sys.stdout.write(table)

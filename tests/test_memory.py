@@ -22,6 +22,9 @@ GIB = 2 ** 30
 Q7B = ["model.policy=models/Qwen2.5-7B", "judges.model=models/Qwen2.5-7B-Instruct"]
 WIKI18 = 21_015_324
 REPLICATE = ["retrieval.across_ranks=replicate"]  # every rank holds a whole copy of the index
+# the training state moved to the host while the engines work, as the figures below count it (distributed.offload_state
+# auto keeps it on the GPU wherever the plan fits it: tests/trainer/test_offload_auto.py)
+MOVE = ["distributed.offload_state=true"]
 
 
 def test_presets_hold_the_public_configs_and_their_exact_counts():
@@ -92,7 +95,7 @@ def _hand_plan(p, layers, hidden, heads_kv, inter, vocab, tied, index_rows=WIKI1
 @pytest.mark.parametrize("across", ["replicate", "shard"])
 @pytest.mark.parametrize("size", ["3B", "7B"])
 def test_qwen_plans_on_8_x_80_gib_match_the_hand_computation(size, across):
-    overrides = (Q7B if size == "7B" else []) + [f"retrieval.across_ranks={across}"]
+    overrides = (Q7B if size == "7B" else []) + [f"retrieval.across_ranks={across}", *MOVE]
     plan = memory.plan(load_config(CRITIC, overrides), gpu_gib=80, gpus=8)
     rows = WIKI18 if across == "replicate" else -(-WIKI18 // 8)  # shard: 2,626,916 rows a rank
     if size == "3B":
@@ -144,7 +147,7 @@ def test_without_colocation_nothing_sleeps_and_the_hf_engine_has_no_share():
 def test_a_kept_training_state_sits_beside_the_engine_which_still_sleeps():
     keep = ["distributed.offload_state=false", "rollout.gpu_memory_utilization=0.5"]
     plan = memory.plan(load_config(CRITIC, keep), 80, 8)
-    moved = memory.plan(load_config(CRITIC, ["rollout.gpu_memory_utilization=0.5"]), 80, 8)
+    moved = memory.plan(load_config(CRITIC, ["rollout.gpu_memory_utilization=0.5", *MOVE]), 80, 8)
     assert plan.phases["rollout"]["policy"] == 16 * 3_085_938_688 // 8 and "policy" not in moved.phases["rollout"]
     assert "reference" in plan.phases["sync"] and "reference" not in moved.phases["sync"]
     assert "asleep" in plan.phases["train"]  # unlike colocate=false, the engine still sleeps for training
@@ -260,7 +263,7 @@ def test_the_report_loads_nothing():
 # ---- host RAM per node (fastcredit.trainer.memory.host); figures written out from its docstring's formulas
 
 P05, P3 = 494_032_768, 3_085_938_688  # Qwen2.5-0.5B and Qwen2.5-3B (their -Instruct critics alike)
-SMALL = ["model.policy=models/Qwen2.5-0.5B", "judges.model=models/Qwen2.5-0.5B-Instruct", "retrieval.device=cpu"]
+SMALL = ["model.policy=models/Qwen2.5-0.5B", "judges.model=models/Qwen2.5-0.5B-Instruct", "retrieval.device=cpu", *MOVE]
 
 
 def _small_plan(**kw):
@@ -297,7 +300,7 @@ def test_host_total_is_per_rank_times_ranks_per_node_plus_per_node():
     rank = 2 * GIB + 16 * P3 // 8 + 2 * P3 // 8 + 2 * P3  # process, offloaded state, reference shard, pinned critic
     tokens = WIKI18 * 140 * 4 + 8 * (WIKI18 + 1)  # the token store is past 4 GiB: memory-mapped, once per node
     for per_node in (1, 2, 4, 8):
-        host = memory.plan(load_config(CRITIC), 80, 8, gpus_per_node=per_node).host
+        host = memory.plan(load_config(CRITIC, MOVE), 80, 8, gpus_per_node=per_node).host
         assert (host.ranks_per_node, host.nodes) == (per_node, 8 // per_node)
         assert host.total("rollout") == per_node * rank + tokens
         assert host.node_bytes("rollout", "critic") == per_node * 2 * P3
@@ -308,7 +311,7 @@ def test_host_total_is_per_rank_times_ranks_per_node_plus_per_node():
 def test_host_over_the_node_is_refused_with_exit_2(capsys):
     rank = 2 * GIB + 16 * P3 // 8 + 2 * P3 // 8 + 2 * P3
     need = 8 * rank + WIKI18 * 140 * 4 + 8 * (WIKI18 + 1)  # rollout on one 8-GPU node: 124.8 GiB
-    rc = main(["--config", CRITIC, "--memory-report", "--gpu-gib", "80", "--gpus", "8", "--host-gib", "100"])
+    rc = main(["--config", CRITIC, *MOVE, "--memory-report", "--gpu-gib", "80", "--gpus", "8", "--host-gib", "100"])
     out = capsys.readouterr().out
     assert rc == 2
     assert (f"ERROR: host: the rollout phase needs {need / GIB:.1f} GiB of host RAM per node (8 rank(s) x "
@@ -319,7 +322,7 @@ def test_host_over_the_node_is_refused_with_exit_2(capsys):
     gpu_verdict, host_verdict = [line for line in out.splitlines() if line.startswith("verdict")]
     assert "OVER" not in gpu_verdict and host_verdict.split() == ["verdict", "fits", "OVER", "OVER", "fits", "fits"]
     # two ranks a node fit in 100 GiB: 2 x 14.2 + 11.1
-    two = ["--config", CRITIC, "--memory-report", "--gpus", "8", "--host-gib", "100", "--gpus-per-node", "2"]
+    two = ["--config", CRITIC, *MOVE, "--memory-report", "--gpus", "8", "--host-gib", "100", "--gpus-per-node", "2"]
     assert main(two) == 0
     assert main(["--config", CRITIC, "--memory-report", "--gpus", "8", "--gpus-per-node", "9"]) == 2
     assert "--gpus-per-node 9 must be between 1 and --gpus (8)" in capsys.readouterr().err

@@ -99,12 +99,12 @@ def test_phases_against_the_timers(files, tmp_path):
     assert data["steps_found"] == [3, 4, 5]
     # the trainer's order; checkpoint from the timers only; judge (step 1 only) and absent phases left out
     assert list(rows) == ["rollout", "reward", "old_logprobs", "update", "checkpoint", "eval", "sync_weights",
-                          "engine_wake", "step"]
+                          "engine_wake", "other", "step"]
     expect_nsys = {"rollout": 3.6e9, "reward": 0.15e9, "old_logprobs": 0.45e9, "update": 1.5e9, "eval": 0.9e9,
                    "sync_weights": 0.3e9, "engine_wake": 0.09e9, "step": 6.3e9}
     for phase, total in expect_nsys.items():
-        assert rows[phase]["nsys_total_ns"] == total
-        assert rows[phase]["nsys_s_per_step"] == pytest.approx(total / 1e9 / 3, rel=1e-12)
+        assert rows[phase]["total_ns"] == total
+        assert rows[phase]["s_per_step"] == pytest.approx(total / 1e9 / 3, rel=1e-12)
     expect_timers = {"rollout": 1.5, "reward": 0.05, "old_logprobs": 0.15, "update": 0.5, "checkpoint": 0.2,
                      "eval": 0.3, "sync_weights": 0.1, "engine_wake": 0.03, "step": 2.1}
     for phase, seconds in expect_timers.items():
@@ -113,18 +113,26 @@ def test_phases_against_the_timers(files, tmp_path):
     assert rows["step"]["ratio"] == pytest.approx(1.0, rel=1e-12)
     assert rows["eval"]["ratio"] == pytest.approx(1.0, rel=1e-12)
     assert rows["engine_wake"]["instances"] == 6
-    assert rows["checkpoint"]["nsys_s_per_step"] is None and rows["checkpoint"]["ratio"] is None
+    # shares of the step (2.1 s): the phases inside it, and "other" the rest (2.1 - 1.2 - 0.05 - 0.15 - 0.5 s)
+    assert rows["rollout"]["share"] == pytest.approx(1.2 / 2.1, rel=1e-12)
+    assert rows["other"]["s_per_step"] == pytest.approx(0.2, rel=1e-9) and rows["step"]["share"] == 1.0
+    inside = ("rollout", "reward", "old_logprobs", "update", "other")
+    assert sum(rows[p]["share"] for p in inside) == pytest.approx(1.0, rel=1e-12)
+    assert rows["eval"]["share"] is None and rows["checkpoint"]["share"] is None  # between steps
+    assert all(r["device_s_per_step"] is None and r["top"] == [] for r in data["rows"])  # nvtx_sum has no kernels
+    assert rows["checkpoint"]["s_per_step"] is None and rows["checkpoint"]["ratio"] is None
     assert [r["phase"] for r in data["rows"] if r["nested"]] == ["sync_weights", "engine_wake"]
     # other domains' ranges, ":update" included: the file names the fastcredit domain, so it is not ours
     assert {o["range"] for o in data["other"]} == OTHER
     assert {o["range"]: o["total_ns"] for o in data["other"]}[":update"] == 5_000_000
     table = Path(f"{out}.md").read_text()
     assert done.stdout == table
-    assert "| phase | nsys s/step | instances | timers s/step | nsys/timers |" in table
-    assert "| rollout | 1.2000 | 3 | 1.5000 | 0.800 |" in table
-    assert "| sync_weights* | 0.1000 | 3 | 0.1000 | 1.000 |" in table
-    assert "| checkpoint |  |  | 0.2000 |  |" in table
-    assert table.splitlines()[-3].startswith("| step | 2.1000 | 3 | 2.1000 | 1.000 |")
+    assert "| phase | nsys s/step | share of step | instances | timers s/step | nsys/timers |" in table
+    assert "| rollout | 1.2000 | 57.1% | 3 | 1.5000 | 0.800 |" in table
+    assert "| sync_weights* | 0.1000 | 4.8% | 3 | 0.1000 | 1.000 |" in table
+    assert "| checkpoint |  |  |  | 0.2000 |  |" in table
+    assert "| other | 0.2000 | 9.5% |  |  |  |" in table
+    assert table.splitlines()[-3].startswith("| step | 2.1000 | 100.0% | 3 | 2.1000 | 1.000 |")
     assert "nested inside their parent phase" in table and "does not add up" in table
 
 
@@ -136,7 +144,7 @@ def test_steps_chosen_and_step_range_spelling(files, tmp_path):
     assert data["steps"] == [1, 2] and data["steps_found"] == [1, 2]
     assert rows["rollout"]["timers_s_per_step"] == pytest.approx((2.5 + 1.2) / 2, rel=1e-12)
     assert rows["judge"]["timers_s_per_step"] == pytest.approx(0.1, rel=1e-12)  # step 2 without it counts 0
-    assert rows["judge"]["nsys_s_per_step"] is None
+    assert rows["judge"]["s_per_step"] is None
     assert "2 step(s) of timers against 3 profiled step(s)" in done.stderr
 
 
@@ -148,7 +156,7 @@ def test_default_out_next_to_the_csv_without_metrics(files):
     assert prof.with_name("prof_nvtx_sum_phases.md").read_text() == done.stdout
     assert data["metrics"] is None and data["steps_found"] == []
     assert all(r["timers_s_per_step"] is None and r["ratio"] is None for r in rows.values())
-    assert rows["rollout"]["nsys_s_per_step"] == pytest.approx(1.2, rel=1e-12)
+    assert rows["rollout"]["s_per_step"] == pytest.approx(1.2, rel=1e-12)
 
 
 def test_colon_spelling(tmp_path):
@@ -159,8 +167,8 @@ def test_colon_spelling(tmp_path):
     done = run(prof, "--out", tmp_path / "p")
     assert done.returncode == 0, done.stderr
     data, rows = report(tmp_path / "p")
-    assert rows["update"]["nsys_total_ns"] == 1.5e9 and rows["step"]["instances"] == 3
-    assert rows["rollout"]["nsys_s_per_step"] == pytest.approx(1.2, rel=1e-12)
+    assert rows["update"]["total_ns"] == 1.5e9 and rows["step"]["instances"] == 3
+    assert rows["rollout"]["s_per_step"] == pytest.approx(1.2, rel=1e-12)
     assert [o["range"] for o in data["other"]] == ["vllm:execute_model"]
 
 
@@ -175,7 +183,7 @@ def test_bare_names_in_the_older_nvtxppsum_columns(tmp_path, files):
     assert done.returncode == 0, done.stderr
     data, rows = report(tmp_path / "old")
     assert rows["rollout"]["ratio"] == pytest.approx(0.8, rel=1e-12)
-    assert rows["step"]["nsys_s_per_step"] == pytest.approx(2.1, rel=1e-12)
+    assert rows["step"]["s_per_step"] == pytest.approx(2.1, rel=1e-12)
     assert [(o["range"], o["style"]) for o in data["other"]] == [("vllm:execute_model", "")]
 
 
@@ -185,7 +193,7 @@ def test_unitless_total_and_name_column(tmp_path):
     prof.write_text(nvtx_csv(RANGES[:2], header))
     done = run(prof, "--out", tmp_path / "older")
     assert done.returncode == 0, done.stderr
-    assert report(tmp_path / "older")[1]["rollout"]["nsys_s_per_step"] == pytest.approx(1.2, rel=1e-12)
+    assert report(tmp_path / "older")[1]["rollout"]["s_per_step"] == pytest.approx(1.2, rel=1e-12)
 
 
 def test_num_steps_when_the_profile_has_no_step_range(tmp_path, files):
@@ -197,8 +205,8 @@ def test_num_steps_when_the_profile_has_no_step_range(tmp_path, files):
     assert done.returncode == 0, done.stderr
     data, rows = report(tmp_path / "n")
     assert data["num_steps"] == 2 and data["num_steps_from"] == "--num-steps"
-    assert rows["rollout"]["nsys_s_per_step"] == pytest.approx(1.8, rel=1e-12)
-    assert rows["step"]["nsys_s_per_step"] is None and rows["step"]["timers_s_per_step"] == pytest.approx(2.1)
+    assert rows["rollout"]["s_per_step"] == pytest.approx(1.8, rel=1e-12)
+    assert rows["step"]["s_per_step"] is None and rows["step"]["timers_s_per_step"] == pytest.approx(2.1)
 
 
 def test_missing_files(files, tmp_path):
@@ -258,6 +266,6 @@ def test_report_through_nsys_stats(tmp_path):
     argv = argv_file.read_text().split("\n")
     assert argv[:7] == ["stats", "-q", "-r", "nvtx_sum", "-f", "csv", "-o"] and argv[8] == str(rep)
     data, rows = report(tmp_path / "viarep")
-    assert data["nsys"] == str(rep)
-    assert rows["rollout"]["nsys_s_per_step"] == pytest.approx(1.2, rel=1e-12)
+    assert data["profile"] == str(rep)
+    assert rows["rollout"]["s_per_step"] == pytest.approx(1.2, rel=1e-12)
     assert [o["range"] for o in data["other"]] == ["vllm:execute_model"]

@@ -21,9 +21,10 @@ _MINI = ("units differ: Search-R1 multiplies it by rollout.n, which it keeps at 
          "rollout.n = G counts prompts, as fastcredit does)")
 _MICRO = ("veRL counts sequences per micro-batch; fastcredit packs micro-batches by token count per rank; "
           "memory only, the update is the same")
-_OFFLOAD = ("veRL moves them to the host between phases, as fastcredit moves the whole training state whenever it "
-            "trains colocated on a GPU (one switch, default true; gradients are freed after each update). veRL's "
-            "fsdp_config.offload_policy, FSDP2's CPU offload while training, is distributed.cpu_offload")
+_OFFLOAD = ("veRL moves them to the host between phases; fastcredit moves the whole training state with one switch: "
+            "true / false as veRL's flags, default auto (kept on the GPU when the memory plan fits it there, moved "
+            "otherwise; gradients are freed after each update). veRL's fsdp_config.offload_policy, FSDP2's CPU "
+            "offload while training, is distributed.cpu_offload")
 
 ALIASES: dict[str, tuple[Optional[str], str]] = {
     # data

@@ -51,11 +51,13 @@ def check_rules(cfg) -> None:
         (cfg.distributed.placement == "colocated" or cfg.distributed.engine == "fsdp2",
          "distributed.placement=split trains with distributed.engine=fsdp2 (DeepSpeed's engine spans every rank "
          "of the job, rollout ranks included); use fsdp2 or placement=colocated"),
-        (cfg.distributed.offload_state or not cfg.distributed.colocate or cfg.rollout.engine != "vllm"
+        # only an explicit false is known to keep the state before the run starts; auto decides at start from the
+        # GPU (fastcredit.trainer.memory.offload), and when it keeps the state the memory plan gives vLLM's share
+        (cfg.distributed.offload_state is not False or not cfg.distributed.colocate or cfg.rollout.engine != "vllm"
          or cfg.rollout.gpu_memory_utilization > 0,
          "distributed.offload_state=false with rollout.engine=vllm needs a fixed rollout.gpu_memory_utilization "
          "(0 sizes vLLM's share from what is free before the first update, before the optimizer state the kept "
-         "training state will hold exists)"),
+         "training state will hold exists); distributed.offload_state=auto sizes it from the memory plan"),
         (cfg.distributed.placement == "colocated" or cfg.distributed.shard_size == -1,
          f"distributed.shard_size={cfg.distributed.shard_size}: a split placement shards over its training ranks "
          "only (a 1-D mesh); leave it at -1"),

@@ -191,13 +191,17 @@ def _coerce(value, tp, key: str, origin: str):
         inner = [a for a in args if a is not type(None)]
         return _coerce(raw if raw is not None else value, inner[0], key, origin)
     if origin_tp is Literal:
-        if raw is not None and any(isinstance(a, str) for a in args):
+        strings = [a for a in args if isinstance(a, str)]
+        # a command-line word is one of the names verbatim; in a Literal that also holds other values (auto, true,
+        # false) any other word keeps its YAML reading, so "true" is the bool
+        if raw is not None and strings and (str(raw) in strings or len(strings) == len(args)):
             value = str(raw)
         if value in args and type(value) is type(next(a for a in args if a == value)):
             return value
-        close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"{origin}: '{key}' must be one of {list(args)}, got {value!r}{hint}")
+        spelled = [_yaml_word(a) for a in args]
+        close = difflib.get_close_matches(_yaml_word(value), spelled, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigError(f"{origin}: '{key}' must be one of [{', '.join(spelled)}], got {value!r}{hint}")
     if origin_tp in (list, tuple) or tp in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{origin}: '{key}' must be a list, got {value!r}")
@@ -219,6 +223,11 @@ def _coerce(value, tp, key: str, origin: str):
             return value
         raise ConfigError(f"{origin}: '{key}' must be a string, got {value!r}")
     raise ConfigError(f"{origin}: '{key}' has an unsupported type {tp!r}")
+
+
+def _yaml_word(value) -> str:
+    """How a Literal's value is written in YAML or on the command line: ``'auto'``, ``true``, ``2``."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def _to_float(value, key: str, origin: str) -> float:

@@ -201,11 +201,14 @@ class DistributedConfig:
     activation_checkpointing: bool = opt(True, "recompute decoder layers in backward")
     cpu_offload: bool = opt(False, "keep parameters and optimizer state in CPU memory (DeepSpeed: ZeRO-Offload of "
                                    "the optimizer, and of the parameters at stage 3)")
-    offload_state: bool = opt(True, "colocated on a GPU: move the training state (the policy's and value model's "
-                                    "parameters and optimizer state, the reference policy) to the host while the "
-                                    "engines roll out and judge, as Search-R1 does (veRL's param_offload / "
-                                    "optimizer_offload); false keeps it on the GPU, saving the moves when the engine "
-                                    "fits beside it (with vLLM set rollout.gpu_memory_utilization)")
+    offload_state: Literal["auto", True, False] = opt(
+        "auto", "colocated on a GPU: whether the training state (the policy's and value model's parameters and "
+                "optimizer state, the reference policy) goes to the host while the engines roll out and judge. auto: "
+                "it stays on the GPU, and so do the HF engine's weights, when the memory plan "
+                "(fastcredit.trainer.memory.offload) fits every phase with it there, with a margin; it moves otherwise "
+                "(the choice and its reason are printed at start and shown by --memory-report). true: it always "
+                "moves, as Search-R1 does (veRL's param_offload / optimizer_offload); false: it always stays (with "
+                "vLLM, set rollout.gpu_memory_utilization)")
     shard_size: int = opt(-1, "FSDP2 shard group size, HSDP when it divides the world (-1: all "
                               "ranks; engine=fsdp2 only)", range=COUNT, also=(-1,), note="-1: all ranks")
     colocate: bool = opt(True, "rollout, judge and training take turns on every GPU (vLLM sleep mode)")

@@ -13,7 +13,9 @@ vLLM sleep levels: level 1 offloads an engine's weights to CPU
 memory and drops its KV cache; level 2 drops both (right for the policy, whose weights
 are re-synced after every update, and after every judge phase that switched a critic in). Waking a level-2
 policy engine wakes ``weights`` first, streams the new weights in tensor by tensor, and
-only then allocates the KV cache (``kv_cache``), so the two never peak together.
+only then allocates the KV cache (``kv_cache``), so the two never peak together. Level 0, for the HF engine when
+the training state stays on the GPU (``distributed.offload_state``), keeps the engine awake with its weights: only
+torch's cache, where its KV cache was, is emptied for the update.
 The training state moves through each :class:`fastcredit.distributed.engine.TrainEngine`'s
 ``offload`` / ``reload``: FSDP2 moves the module and its optimizer's state tensors,
 DeepSpeed uses ZeRO's ``offload_states`` / ``reload_states``.
@@ -59,6 +61,8 @@ class PhaseManager:
     reload run (default: colocated on CUDA; on the CPU there is nothing to free; False with
     ``distributed.offload_state=false``, which keeps the state on the GPU and only empties torch's cache for the
     engines).
+    ``policy_sleep_level``: 1 or 2 as vLLM's; 0 never puts the policy engine to sleep (the HF engine beside a kept
+    training state: its weights stay, torch's cached blocks go back to the driver instead).
     ``timings`` collects the seconds of each switch, sync and move since the last ``take_timings()``.
     """
 
@@ -110,6 +114,13 @@ class PhaseManager:
 
     def _sleep(self, who: str) -> None:
         engine = self.policy if who == "policy" else self.judge_engine
+        if who == "policy" and self.policy_level == 0:
+            if engine is not None and self.colocate and self.device.type == "cuda":
+                # its KV cache lived in torch's cache: back to the driver, so blocks shaped for generation do not
+                # hold memory the update's activations need in other sizes
+                with self._timed("engine_sleep"):
+                    torch.cuda.empty_cache()
+            return
         if engine is not None and self.awake[who] and self.colocate:
             with self._timed("engine_sleep"):
                 engine.sleep(self.policy_level if who == "policy" else self.judge_level)

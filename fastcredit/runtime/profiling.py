@@ -2,13 +2,15 @@
 
     with timer.phase("rollout"):          # an NVTX range "rollout" + seconds in timer.seconds
         ...
-    python -m fastcredit.train --profile  # + cudaProfilerStart/Stop around the profiled steps
+    python -m fastcredit.train --profile  # + cudaProfilerStart/Stop around the profiled steps, and a torch trace
 
 Ranges come from the ``nvtx`` package (a no-op without a GPU or outside ``nsys``;
 ``torch.cuda.nvtx`` raises on a CPU build of torch). On a GPU a phase synchronises the
 device before reading the clock, so its seconds are the GPU's too, not just the launches.
 ``nsys profile --capture-range=cudaProfilerApi python -m fastcredit.train --profile``
-records only the steps between :func:`profiler_start` and :func:`profiler_stop`.
+records only the steps between :func:`profiler_start` and :func:`profiler_stop`. While
+:func:`record_phases` is on (``--profile``'s torch.profiler session, ``fastcredit.runtime.torch_profile``) every
+range is also a ``record_function`` range named ``fastcredit:<name>``, so the phases show in that trace.
 """
 from __future__ import annotations
 
@@ -27,15 +29,25 @@ except ImportError:  # the package is in every extra; keep the trainer importabl
     _nvtx = None
 
 _DOMAIN = "fastcredit"
+_recording = False  # record_function ranges too: on while --profile's torch.profiler records
+
+
+def record_phases(on: bool) -> None:
+    """Make every :func:`nvtx_range` a torch.profiler ``record_function`` range ``fastcredit:<name>`` too (``on``),
+    or stop; off outside a profile, where a record_function would cost an op record per range for nothing."""
+    global _recording
+    _recording = on
 
 
 @contextlib.contextmanager
 def nvtx_range(name: str) -> Iterator[None]:
-    """An NVTX push/pop range named ``name`` in the ``fastcredit`` domain (no-op without nvtx)."""
-    if _nvtx is None:
-        yield
-        return
-    with _nvtx.annotate(name, domain=_DOMAIN):
+    """An NVTX push/pop range named ``name`` in the ``fastcredit`` domain (no-op without nvtx), and a
+    ``record_function`` range ``fastcredit:<name>`` while :func:`record_phases` is on."""
+    with contextlib.ExitStack() as ranges:
+        if _nvtx is not None:
+            ranges.enter_context(_nvtx.annotate(name, domain=_DOMAIN))
+        if _recording:
+            ranges.enter_context(torch.profiler.record_function(f"{_DOMAIN}:{name}"))
         yield
 
 

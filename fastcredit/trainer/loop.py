@@ -189,14 +189,27 @@ class Trainer:
             self.logger.log(self.step, after, console=False)
         return summary
 
+    step_profile = None  # --profile's torch.profiler session while it records (fastcredit.runtime.torch_profile)
+
     def _profiled_step(self) -> dict:
-        """One step, counted; under ``--profile`` the CUDA profiler records steps ``profile_start`` to +2."""
+        """One step, counted; under ``--profile`` steps ``profile_start`` to +2 (fewer when the run ends first) are
+        profiled: the CUDA profiler range nsys captures, and a torch.profiler trace with its per-phase table in
+        ``<output_dir>/profile/``, printed when the last of them is done."""
         if self.profile and self.step == self.profile_start:
+            from fastcredit.runtime.torch_profile import StepProfile
+
             profiler_start()
+            self.step_profile = StepProfile(self.out_dir, self.info.device, self.info.rank)
+            self.step_profile.start()
         m = self.train_step()
         self.step += 1
-        if self.profile and self.step == self.profile_start + 3:
-            profiler_stop()
+        if self.step_profile is not None:
+            self.step_profile.add_step(self.step, m)
+            if self.step >= min(self.profile_start + 3, self.cfg.optim.total_steps):
+                profiler_stop()
+                trace, table = self.step_profile.stop()
+                self.step_profile = None
+                self.say(f"--profile: steps {self.profile_start + 1}-{self.step} in {trace}\n{table.rstrip()}")
         return m
 
     def _handle_collapse(self, reason: str) -> None:

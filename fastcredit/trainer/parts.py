@@ -74,7 +74,10 @@ def build_parts(cfg: TrainConfig, info, out_dir: str, say: Callable[[str], None]
     from fastcredit.distributed.colocate import PhaseManager
     from fastcredit.distributed.from_rank0 import has_meta
     from fastcredit.judges.phase import build_judge_phase, build_proceed_hook, make_backend
+    from fastcredit.trainer.memory.offload import local_offload
 
+    offload = local_offload(cfg, info.device, info.world_size)  # once, from this rank's GPU and the job's size
+    say(offload.line())
     data = load_data(cfg, info.rank)
     tokenizer = load_tokenizer(cfg, data, out_dir, info.rank)
     searcher, retriever = make_searcher(cfg, tokenizer, data.corpus, progress=cfg.logging.progress and info.is_main,
@@ -84,43 +87,54 @@ def build_parts(cfg: TrainConfig, info, out_dir: str, say: Callable[[str], None]
         warm_start(lm, cfg, data, tokenizer, searcher, info, say)  # on the device (sft_train moves it there)
         if not has_meta(lm):  # the master weights go back to the host; a meta rank's have no data to move
             lm.cpu()
-    policy, value, ref, start = build_models(cfg, info, lm, tokenizer, out_dir)
+    policy, value, ref, start = build_models(cfg, info, lm, tokenizer, out_dir, offload=offload)
     train_state = [policy] + ([value] if value is not None else [])
-    engine, offloaded = make_rollout_engine(cfg, info, tokenizer, start, train_state, say)
+    engine, offloaded = make_rollout_engine(cfg, info, tokenizer, start, train_state, say, offload)
     backend = make_backend(cfg, engine, info.device, policy_config=policy.module.lm.config)
     proceed_hook = build_proceed_hook(cfg, backend, engine, tokenizer)
-    memory: dict = {}
+    # the choice in the run's metrics too (its first step's line): 1 the state moves, 0 it stays
+    memory: dict = {"offload_state/moves": float(offload.moves)} if info.is_main else {}
 
     def log_memory(boundary: str, mem: dict) -> None:
         if mem and info.is_main:
             memory.update({f"memory/{boundary}/{k}": v for k, v in mem.items()})
 
     judges = build_judge_phase(cfg, backend, engine, info.device)
-    phases = PhaseManager(engine, getattr(judges, "engine", None), train_state, info.device, cfg.rollout.sleep_level,
+    # A state that stays keeps the HF engine's weights too (its sleep would move them to the host; level 0 only
+    # empties torch's cache, its KV cache). vLLM keeps rollout.sleep_level: its level 1 copies the weights to the
+    # host and back, level 2 drops them and the sync after every update refills them.
+    policy_level = 0 if cfg.rollout.engine == "hf" and not offload.moves else cfg.rollout.sleep_level
+    phases = PhaseManager(engine, getattr(judges, "engine", None), train_state, info.device, policy_level,
                           cfg.judges.sleep_level, cfg.distributed.colocate,
                           sync_fn=lambda trained: engine.update_weights(trained.full_state(engine.weight_dtype)),
                           log=log_memory, judge_weights=getattr(backend, "weights", None),
                           train_on_device=not offloaded, judge_in_rollout=cfg.rollout.proceed.enabled,
-                          move_state=moves_training_state(cfg, info))
+                          move_state=moves_training_state(cfg, info, offload))
     if start.load_format == "dummy":
         phases.mark_updated()  # the engine started without weights: the first rollout streams them in
     return Parts(data, tokenizer, searcher, retriever, policy, value, ref, engine, proceed_hook, judges, phases,
                  memory)
 
 
-def moves_training_state(cfg: TrainConfig, info) -> bool:
-    """Whether the training state and the reference policy leave the GPU while the engines roll out and judge:
-    colocated on a GPU with ``distributed.offload_state`` (the phase manager's ``move_state``; the reference starts
-    on the host exactly when its passes will bring it in)."""
-    return cfg.distributed.colocate and cfg.distributed.offload_state and info.device.type == "cuda"
+def moves_training_state(cfg: TrainConfig, info, offload=None) -> bool:
+    """Whether the training state and the reference policy leave the GPU while the engines roll out and judge
+    (the phase manager's ``move_state``; the reference starts on the host exactly when its passes will bring it
+    in): ``offload``, the run's :class:`~fastcredit.trainer.memory.offload.OffloadChoice`, else the choice for this
+    rank's device (``local_offload``: no GPU, nothing moves)."""
+    if offload is None:
+        from fastcredit.trainer.memory.offload import local_offload
+
+        offload = local_offload(cfg, info.device, info.world_size)
+    return offload.moves
 
 
-def build_models(cfg: TrainConfig, info, lm, tokenizer, out_dir: str,
-                 engine: bool = True) -> tuple[Any, Any, Any, EngineStart]:
+def build_models(cfg: TrainConfig, info, lm, tokenizer, out_dir: str, engine: bool = True,
+                 offload=None) -> tuple[Any, Any, Any, EngineStart]:
     """``(policy, value, ref, engine start)`` from the policy ``lm``: the policy (and value model) as fp32 master
     weights sharded by the training engine; the reference policy as a frozen copy in the compute dtype, sharded
-    the same way and on the device only while it is used; what the rollout engine starts from (nothing without
-    ``engine``: a split placement's training ranks have none)."""
+    the same way and, when the training state moves (``offload``: :func:`moves_training_state`), on the device
+    only while it is used; what the rollout engine starts from (nothing without ``engine``: a split placement's
+    training ranks have none)."""
     from fastcredit.distributed.build import build_train_engine, compute_dtype
     from fastcredit.distributed.engine import adamw
     from fastcredit.distributed.fsdp import FrozenModel
@@ -133,7 +147,7 @@ def build_models(cfg: TrainConfig, info, lm, tokenizer, out_dir: str,
         else EngineStart()
     ref = FrozenModel(PolicyModel(frozen_copy(lm, dtype), impl), info) \
         if cfg.loss.kl_coef or cfg.credit.kl_in_reward else None
-    if ref is not None and engine and moves_training_state(cfg, info):
+    if ref is not None and engine and moves_training_state(cfg, info, offload):
         ref.offload()  # on the GPU only for its passes (PhaseManager.using); a split placement's stays there
     # copied before the policy's engine shards lm (ZeRO-3 leaves empty placeholders behind)
     value_lm = frozen_copy(lm).requires_grad_(True).train() if estimator_needs(cfg.credit.estimator).value_model \
@@ -201,14 +215,15 @@ def detour_plan(cfg: TrainConfig, examples: list, seed: int) -> dict:
 
 
 def make_rollout_engine(cfg: TrainConfig, info, tokenizer, start: EngineStart, train_state: list,
-                        say: Callable[[str], None]) -> tuple[Any, bool]:
+                        say: Callable[[str], None], offload=None) -> tuple[Any, bool]:
     """``(engine, offloaded)``: the rollout engine ``rollout.engine`` names, started from ``start``. Sizing vLLM's
-    memory share may offload the training state first (``offloaded``: see :func:`vllm_memory_share`)."""
+    memory share may offload the training state first (``offloaded``; ``offload``: the run's choice, None where no
+    training state shares the GPU: see :func:`vllm_memory_share`)."""
     from fastcredit.rollout.engines import make_engine
 
     kw, offloaded = {}, False
     if cfg.rollout.engine == "vllm":
-        util, offloaded = vllm_memory_share(cfg, info.device, start.folder, train_state, say)
+        util, offloaded = vllm_memory_share(cfg, info.device, start.folder, train_state, say, offload)
         kw = {"model_path": start.folder, "memory_utilization": util, "load_format": start.load_format}
     return make_engine(cfg.rollout.engine, start.lm, tokenizer, cfg.rollout, device=info.device, **kw), offloaded
 
@@ -366,37 +381,46 @@ def vllm_start_folder(cfg: TrainConfig, lm, tokenizer, out_dir: str, rank: int,
     return folder, "dummy"
 
 
-def vllm_memory_share(cfg: TrainConfig, device: torch.device, folder: str, train_state, say) -> tuple[float, bool]:
+def vllm_memory_share(cfg: TrainConfig, device: torch.device, folder: str, train_state, say,
+                      offload=None) -> tuple[float, bool]:
     """``(gpu_memory_utilization, offloaded)`` for the vLLM engine about to start on ``folder``.
 
-    A fixed ``rollout.gpu_memory_utilization`` is checked against what is free; 0 (auto) is
-    what is free once the training state (``train_state``: TrainEngines, offloaded here when
-    colocated, as during every rollout) is off the GPU, minus ``rollout.memory_margin_gib``
-    (``fastcredit.trainer.memory.engine_memory_utilization``); with ``distributed.offload_state=false`` the state
-    stays, and the config checks ask for a fixed share. The figures go to ``say``.
+    ``offload``: the run's :class:`~fastcredit.trainer.memory.offload.OffloadChoice` (None: no training state shares
+    this GPU, a split placement's rollout rank). A fixed ``rollout.gpu_memory_utilization`` is checked against what
+    is free. 0 (auto): when the training state moves, what is free once it is offloaded here (``train_state``:
+    TrainEngines, offloaded as during every rollout), minus ``rollout.memory_margin_gib``
+    (``fastcredit.trainer.memory.engine_memory_utilization``); when it stays, the share the memory plan gave the
+    choice (measured now it would miss the optimizer state the first update creates beside it). The figures go to
+    ``say``.
     """
     from fastcredit.trainer import memory
 
     r = cfg.rollout
     if device.type != "cuda":
         return r.gpu_memory_utilization, False
-    offloaded = cfg.distributed.colocate and cfg.distributed.offload_state
+    offloaded = offload is not None and offload.moves
+    kept = bool(train_state) and offload is not None and not offload.moves
     if offloaded:
         for engine in train_state:
             engine.offload()
         torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    if r.gpu_memory_utilization > 0:
-        memory.check_fixed_utilization(r.gpu_memory_utilization, free, total)
-        util = r.gpu_memory_utilization
+    if r.gpu_memory_utilization > 0 or kept:
+        util = r.gpu_memory_utilization or offload.utilization
+        if not util:
+            raise ConfigError("distributed.offload_state keeps the training state beside vLLM, whose share then needs "
+                              "a fixed rollout.gpu_memory_utilization or the memory plan's (offload_state=auto)")
+        memory.check_fixed_utilization(util, free, total)
     else:
         shape = memory.ModelShape.from_folder(folder)
         max_context = cfg.data.max_prompt_tokens + r.max_response_tokens
         util = memory.engine_memory_utilization(free, total, r.memory_margin_gib * 2**30, shape.params * 2,
                                                 memory.kv_bytes_per_token(shape) * max_context)
-    say(f"vLLM gpu_memory_utilization {util:.2f}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free "
-        f"{'with the training state offloaded' if offloaded else 'beside the training state'}, "
-        f"margin {r.memory_margin_gib:g} GiB")
+    where = ("with the training state offloaded" if offloaded else "beside the training state" if kept
+             else "no training state on this GPU")
+    how = ("fixed" if r.gpu_memory_utilization > 0 else "the memory plan's" if kept
+           else f"margin {r.memory_margin_gib:g} GiB")
+    say(f"vLLM gpu_memory_utilization {util:.2f} ({how}): {free / 2**30:.1f} of {total / 2**30:.1f} GiB free {where}")
     return util, offloaded
 
 

@@ -174,7 +174,33 @@ def test_a_kept_training_state_with_vllm_needs_a_fixed_share():
     assert load_config(None, [*keep, "rollout.gpu_memory_utilization=0.4"]).distributed.offload_state is False
     assert load_config(None, ["distributed.offload_state=false", "rollout.engine=hf"]).rollout.engine == "hf"
     assert load_config(None, [*keep, "distributed.colocate=false"]).distributed.colocate is False
-    assert load_config(None, ["rollout.engine=vllm"]).distributed.offload_state is True  # the default moves it
+    # the default decides at start from the GPU; when it keeps the state, the memory plan gives vLLM's share
+    assert load_config(None, ["rollout.engine=vllm"]).distributed.offload_state == "auto"
+    assert load_config(None, ["rollout.engine=vllm", "distributed.offload_state=true"]).distributed.offload_state
+
+
+@pytest.mark.parametrize("text, value", [("auto", "auto"), ("true", True), ("false", False), ("True", True),
+                                         ("off", False)])
+def test_offload_state_takes_auto_true_false_from_yaml_and_the_command_line(tmp_path, text, value):
+    """A Literal mixing a name with bools: the name verbatim, the rest as YAML reads it (yes / off are bools there
+    as for every bool key); the value keeps its type (the string "true" would be truthy as a bool is)."""
+    p = tmp_path / "x.yaml"
+    p.write_text(f"distributed:\n  offload_state: {text}\n")
+    for cfg in (load_config(str(p)), load_config(None, [f"distributed.offload_state={text}"])):
+        assert cfg.distributed.offload_state == value and type(cfg.distributed.offload_state) is type(value)
+
+
+@pytest.mark.parametrize("text, got", [("maybe", "'maybe'"), ("1", "1"), ("Auto", "'Auto'; did you mean 'auto'?"),
+                                       ("'true'", "'true'"), ("null", "None")])
+def test_offload_state_refuses_anything_else_naming_the_key(tmp_path, text, got):
+    valid = "'distributed.offload_state' must be one of ['auto', true, false], got "
+    p = tmp_path / "x.yaml"
+    p.write_text(f"distributed:\n  offload_state: {text}\n")
+    with pytest.raises(ConfigError, match=f"x.yaml line 2: {valid}".replace("[", r"\[").replace("]", r"\]")):
+        load_config(str(p))
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"distributed.offload_state={text}"])
+    assert f"command line 'distributed.offload_state={text}': {valid}{got}" in str(err.value)
 
 
 def test_a_range_error_names_the_yaml_line(tmp_path):

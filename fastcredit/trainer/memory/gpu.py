@@ -1,6 +1,7 @@
 """The GPU memory plan: what each phase of a step holds on one GPU, before anything loads.
 
     plan = memory.plan(load_config("configs/criticsearch.yaml"), gpu_gib=80, gpus=8, host_gib=1024)
+    plan = plan_for(cfg, 80, 8, offload)   # with the training state's placement given (memory.offload decides it)
 
 Units: bytes inside, GiB (2**30 bytes) in the report. P: policy parameters; L layers, H hidden,
 I intermediate, V vocabulary, KV = kv_heads x head_dim; W: GPUs (one rank each); S: the FSDP
@@ -32,8 +33,11 @@ plus:
 
 The index and the vLLM share: ``fastcredit.trainer.memory.retrieval`` and ``fastcredit.trainer.memory.vllm_share``.
 distributed.colocate=false: nothing sleeps or moves, so the training state sits beside the
-engine in every phase; distributed.offload_state=false: the engines sleep, but the training state and the reference
-sit beside the engine the same way. Host RAM per node: ``fastcredit.trainer.memory.host``.
+engine in every phase. A training state that stays on the GPU (``fastcredit.trainer.memory.offload`` decides:
+distributed.offload_state false, or auto when this plan with it kept fits): the engines sleep, but the training
+state and the reference sit beside the engine the same way, and the HF engine keeps its weights on the GPU
+through training; with auto and vLLM's automatic share the share leaves the decision's margin free. Host RAM per
+node: ``fastcredit.trainer.memory.host``.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from fastcredit.trainer.memory import host
-from fastcredit.trainer.memory.parts import (JudgeSetup, judge_setup, reference_bytes, shard_group, state_moves,
+from fastcredit.trainer.memory.parts import (JudgeSetup, OffloadChoice, judge_setup, reference_bytes, shard_group,
                                              training_state_bytes, uses_reference, zero2_bytes)
 from fastcredit.trainer.memory.retrieval import (IndexSize, encoder_size, index_bytes_per_rank, index_size,
                                                  token_store_bytes, token_store_fits_gpu)
@@ -60,6 +64,7 @@ LABELS = {
     "context": "CUDA context, workspaces (est.)", "index": "retrieval index", "encoder": "query encoder (bf16)",
     "search": "index search workspace", "tokens": "passage token store", "weights": "engine weights (bf16)",
     "vllm": "vLLM activations, graphs (est.)", "kv": "KV cache", "asleep": "asleep engine residue (est.)",
+    "policy_engine": "policy's HF engine, kept (bf16)",
     "policy": "policy fp32 params+grads+Adam", "value": "value fp32 params+grads+Adam",
     "reference": "reference bf16 shard", "zero2": "ZeRO-2 bf16 params (replicated)",
     "gather": "FSDP all-gather buffers", "activations": "activations", "stream": "weight-sync streaming buffer",
@@ -91,6 +96,7 @@ class MemoryPlan:
     hard: list = field(default_factory=list)
     title: str = ""
     host: Optional[host.HostPlan] = None
+    offload: Optional[OffloadChoice] = None         # what distributed.offload_state comes to on this GPU
 
     def total(self, phase: str) -> int:
         return sum(self.phases[phase].values())
@@ -184,8 +190,8 @@ def gpu_training_state(cfg, shape: ModelShape, shard: int) -> dict:
 
 
 def rollout_engine(plan: MemoryPlan, cfg, shape: ModelShape, free: int, total: int) -> dict:
-    """The rollout engine's bytes on a GPU: vLLM's share (auto or fixed) or the HF engine's whole KV cache.
-    Sets the plan's utilization and KV token counts; a share that cannot start is a problem."""
+    """The rollout engine's bytes on a GPU: vLLM's share (auto of ``free``, or fixed) or the HF engine's whole KV
+    cache. Sets the plan's utilization and KV token counts; a share that cannot start is a problem."""
     rollout = cfg.rollout
     tensor_parallel = max(1, rollout.tensor_parallel)
     weights, kv_token = shape.params * 2 // tensor_parallel, kv_bytes_per_token(shape, tensor_parallel)
@@ -245,31 +251,43 @@ def _title(cfg, shape: ModelShape, gpu_gib: float, gpus: int, shard: int) -> str
             f"{cfg.distributed.engine} sharded over {shard}, micro-batch {cfg.optim.micro_batch_tokens} tokens")
 
 
-def plan(cfg, gpu_gib: float, gpus: int, shape: Optional[ModelShape] = None, index_rows: Optional[int] = None,
-         index_dim: Optional[int] = None, host_gib: Optional[float] = None, gpus_per_node: Optional[int] = None,
-         host_source: str = "--host-gib") -> MemoryPlan:
-    """GiB per GPU of every phase of a step for ``cfg`` on ``gpus`` GPUs of ``gpu_gib`` each, and host RAM per
-    node of ``host_gib`` (None: not checked) with ``gpus_per_node`` ranks (default min(gpus, 8)); nothing loads."""
+def asleep_engine(cfg, engine: dict, moves: bool) -> dict:
+    """What the rollout engine leaves on the GPU while the update trains: a sleeping vLLM's residue; the HF
+    engine's weights when the training state stays (nothing when it moves, its model goes to the host too);
+    everything without colocation."""
+    if not cfg.distributed.colocate:
+        return engine  # nothing sleeps
+    if cfg.rollout.engine == "vllm":
+        return {"asleep": ASLEEP_BYTES}
+    return {} if moves else {"weights": engine["weights"]}
+
+
+def plan_for(cfg, gpu_gib: float, gpus: int, offload: OffloadChoice, shape: Optional[ModelShape] = None,
+             index_rows: Optional[int] = None, index_dim: Optional[int] = None, host_gib: Optional[float] = None,
+             gpus_per_node: Optional[int] = None, host_source: str = "--host-gib") -> MemoryPlan:
+    """:func:`fastcredit.trainer.memory.plan` with the training state's placement given: ``offload`` (whether it
+    moves, and the margin kept beside vLLM's share when it stays); in the plan's ``offload`` and notes."""
     dcfg = cfg.distributed
     shape = shape or lookup_shape(cfg.model.policy, "model.policy", cfg.model)
     shard = shard_group(dcfg, gpus)
-    result = MemoryPlan(gpu_gib, gpus, shape, title=_title(cfg, shape, gpu_gib, gpus, shard))
+    result = MemoryPlan(gpu_gib, gpus, shape, title=_title(cfg, shape, gpu_gib, gpus, shard), offload=offload)
     total = int(gpu_gib * GIB)
     idx = local_index(cfg.retrieval, index_rows, index_dim)
     resident = resident_bytes(cfg, gpus, result, idx)
     state = gpu_training_state(cfg, shape, shard)
     reference = {"reference": reference_bytes(cfg, shape, shard)} if uses_reference(cfg) else {}
-    moves = state_moves(dcfg)  # colocate=false or offload_state=false: the state stays
+    moves = offload.moves
     stays = {} if moves else {**state, **reference}
-    engine = rollout_engine(result, cfg, shape, total - sum(resident.values()) - sum(stays.values()), total)
+    free = total - sum(resident.values()) - sum(stays.values()) - offload.reserve_bytes
+    engine = rollout_engine(result, cfg, shape, free, total)
     result.phases["rollout"] = {**resident, **stays, **engine}
     check_kv_cache(result, math.ceil(cfg.optim.batch_prompts / gpus) * cfg.rollout.n_samples)
     judge = judge_setup(cfg, shape)
-    add_judge_phase(result, cfg, judge, {**resident, **stays}, engine)
-    if not dcfg.colocate:
-        asleep = engine  # nothing sleeps
-    else:
-        asleep = {"asleep": ASLEEP_BYTES} if cfg.rollout.engine == "vllm" else {}  # the HF engine moves to the CPU
+    beside = {**resident, **stays}
+    if judge.mode == "own" and not moves and cfg.rollout.engine == "hf":  # the policy's engine stays awake beside it
+        beside["policy_engine"] = engine["weights"]
+    add_judge_phase(result, cfg, judge, beside, engine)
+    asleep = asleep_engine(cfg, engine, moves)
     result.phases["train"] = {**resident, **asleep, **state, **reference, "gather": gather_bytes(shape, dcfg),
                               "activations": activation_bytes(shape, dcfg, cfg.optim.micro_batch_tokens)}
     # weight sync: engine weights woken while the training state is still on the GPU
@@ -277,14 +295,13 @@ def plan(cfg, gpu_gib: float, gpus: int, shape: Optional[ModelShape] = None, ind
                              "weights": engine["weights"], "stream": shape.vocab * shape.hidden * 6}
     if not dcfg.colocate:
         result.notes.append("distributed.colocate=false: nothing sleeps, the training state stays beside the engine")
-    elif not dcfg.offload_state:
-        result.notes.append("distributed.offload_state=false: the training state and the reference stay on the GPU "
-                            "beside the engine")
+    else:
+        result.notes.append(offload.line())
     for phase in PHASES:
         if phase in result.phases and result.total(phase) > total:
             result.add_problem(f"{phase} phase needs {gib_text(result.total(phase))} GiB of a {gpu_gib:g} GiB GPU: "
                                f"{ADVICE[phase]}")
-    result.host = host.host_plan(cfg, shape, gpus, [p for p in PHASES if p in result.phases], idx, judge,
+    result.host = host.host_plan(cfg, shape, gpus, [p for p in PHASES if p in result.phases], idx, judge, moves,
                                  host_gib, gpus_per_node, host_source)
     for text in host.host_problems(result.host):
         result.add_problem(text)

@@ -35,12 +35,13 @@ OS and everything else on it: 5%, at least 4 GiB. Pinned and pageable copies cou
   its own is moved to the CPU while it sleeps (rollout, train, sync, colocated), 2P_c.
 * train, colocated: the sleeping policy engine's weights: vLLM sleep level 1
   (rollout.sleep_level=1) offloads them to pinned memory, 2P/TP (level 2 drops them); the HF
-  engine moves its copy to the CPU, 2P (also in the judge phase when the judge has an engine of
-  its own).
+  engine moves its copy to the CPU, 2P, when the training state moves (also in the judge phase
+  when the judge has an engine of its own).
 
 distributed.colocate=false: nothing sleeps or moves; the resident rows and cpu_offload remain.
-distributed.offload_state=false: the engines sleep as colocated, but the training state and the reference stay on
-the GPU (no offloaded rows).
+A training state that stays on the GPU (``moves`` false: ``fastcredit.trainer.memory.offload`` decides): the engines
+sleep as colocated, but the training state, the reference and the HF engine's weights stay on the GPU (no
+offloaded rows).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from fastcredit.trainer.memory.parts import (JudgeSetup, reference_bytes, shard_group, state_moves, trained_params,
+from fastcredit.trainer.memory.parts import (JudgeSetup, reference_bytes, shard_group, trained_params,
                                              training_state_bytes, uses_reference, zero2_bytes)
 from fastcredit.trainer.memory.retrieval import (IndexSize, encoder_size, index_bytes_per_rank, token_store_bytes,
                                          token_store_fits_gpu)
@@ -159,9 +160,10 @@ def resident_rows(cfg, gpus: int, idx: Optional[IndexSize], shape: ModelShape, s
     return rows
 
 
-def startup_rows(cfg, shape: ModelShape, gpus: int, shard: int) -> dict:
+def startup_rows(cfg, shape: ModelShape, gpus: int, shard: int, moves: bool) -> dict:
     """The start-up peak's own rows (see the module docstring): the policy as read, its copy, the HF engine's
-    copy and the offloaded reference shard, whichever the models built after the policy need."""
+    copy and the offloaded reference shard (``moves``: the training state leaves the GPU), whichever the models
+    built after the policy need."""
     reference, value = uses_reference(cfg), "value" in trained_params(cfg, shape)
     hf_engine = cfg.rollout.engine == "hf"
     rows = {"loaded": 4 * shape.params}
@@ -169,15 +171,15 @@ def startup_rows(cfg, shape: ModelShape, gpus: int, shard: int) -> dict:
         rows["copy"] = 4 * shape.params
     if hf_engine and (reference or value) and not reads_on_rank0_only(cfg, gpus):
         rows["engine_copy"] = (2 if cfg.distributed.mixed_precision else 4) * shape.params
-    if reference and value and state_moves(cfg.distributed):
+    if reference and value and moves:
         rows["reference"] = reference_bytes(cfg, shape, shard)
     return rows
 
 
-def phase_rows(cfg, shape: ModelShape, shard: int, phase: str, judge: JudgeSetup) -> dict:
-    """What ``phase`` adds in host memory: what colocation moved off the GPU, and the critic's host copies."""
+def phase_rows(cfg, shape: ModelShape, shard: int, phase: str, judge: JudgeSetup, moves: bool) -> dict:
+    """What ``phase`` adds in host memory: what colocation moved off the GPU (``moves``: the training state
+    leaves it), and the critic's host copies."""
     dcfg, rows = cfg.distributed, {}
-    moves = state_moves(dcfg)  # what distributed.offload_state=false keeps on the GPU stays
     if moves and phase in ("rollout", "judge"):
         state = 0 if dcfg.cpu_offload else sum(training_state_bytes(cfg, shape, shard).values())
         if state + zero2_bytes(dcfg, shape):
@@ -192,7 +194,8 @@ def phase_rows(cfg, shape: ModelShape, shard: int, phase: str, judge: JudgeSetup
     weights = shape.params * 2 // max(1, rollout.tensor_parallel)
     if dcfg.colocate and rollout.engine == "vllm" and rollout.sleep_level == 1 and phase == "train":
         rows["engine"] = weights
-    if dcfg.colocate and rollout.engine == "hf" and (phase == "train" or (phase == "judge" and judge.mode == "own")):
+    hf_asleep = phase == "train" or (phase == "judge" and judge.mode == "own")
+    if dcfg.colocate and moves and rollout.engine == "hf" and hf_asleep:  # a kept state keeps the HF weights too
         rows["engine"] = weights
     return rows
 
@@ -223,19 +226,21 @@ def advice(cfg, gpus: int) -> dict:
 
 
 def host_plan(cfg, shape: ModelShape, gpus: int, phases: list, idx: Optional[IndexSize], judge: JudgeSetup,
-              host_gib: Optional[float] = None, gpus_per_node: Optional[int] = None, source: str = "") -> HostPlan:
+              moves: bool, host_gib: Optional[float] = None, gpus_per_node: Optional[int] = None,
+              source: str = "") -> HostPlan:
     """Host bytes of the start-up and of each of ``phases`` (the GPU plan's) for ``cfg`` on ``gpus`` GPUs,
-    ``gpus_per_node`` (default min(gpus, 8)) ranks a node with ``host_gib`` of RAM each."""
+    ``gpus_per_node`` (default min(gpus, 8)) ranks a node with ``host_gib`` of RAM each; ``moves``: the training
+    state leaves the GPU while the engines work (the GPU plan's ``offload``)."""
     ranks = min(gpus, gpus_per_node or 8)
     readers = 1 if reads_on_rank0_only(cfg, gpus) else ranks
     result = HostPlan(ranks, math.ceil(gpus / ranks), readers, host_gib, source, advice=advice(cfg, gpus))
     shard = shard_group(cfg.distributed, gpus)
     resident = resident_rows(cfg, gpus, idx, shape, shard)
-    startup = {**resident, **startup_rows(cfg, shape, gpus, shard)}
+    startup = {**resident, **startup_rows(cfg, shape, gpus, shard, moves)}
     startup.pop("cpu_offload", None)  # the optimizer state is created at the first step, after the peak
     result.phases[STARTUP] = startup
     for phase in phases:
-        result.phases[phase] = {**resident, **phase_rows(cfg, shape, shard, phase, judge)}
+        result.phases[phase] = {**resident, **phase_rows(cfg, shape, shard, phase, judge, moves)}
     return result
 
 

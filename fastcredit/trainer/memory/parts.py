@@ -3,6 +3,7 @@
     shard = shard_group(cfg.distributed, gpus)      # S: the FSDP shard group
     state = training_state_bytes(cfg, shape, shard)  # {"policy": 16P/S, "value": ...}: params, grads, AdamW
     judge = judge_setup(cfg, shape)                  # the critic and how this process serves it
+    OffloadChoice(moves=True, reason="as set")       # whether the training state leaves the GPU (memory.offload)
 
 The rules mirror the code that builds the run (``Trainer._build_models``, ``judges.phase.make_backend``)
 without importing it: the report loads no model code.
@@ -44,10 +45,33 @@ def zero2_bytes(dcfg, shape: ModelShape) -> int:
     return 2 * shape.params if dcfg.engine == "deepspeed" and dcfg.zero_stage == 2 else 0
 
 
-def state_moves(dcfg) -> bool:
-    """Whether the training state and the reference leave the GPU while the engines work (colocated with
-    ``distributed.offload_state``; the trainer's ``parts.moves_training_state`` on a GPU)."""
-    return dcfg.colocate and dcfg.offload_state
+@dataclass(frozen=True)
+class OffloadChoice:
+    """What ``distributed.offload_state`` comes to for a run. ``moves``: the training state and the reference go
+    to the host while the engines work; ``reason`` says why; ``setting``: the config's value; ``utilization``:
+    vLLM's share beside the kept state, from the plan (auto keeping with vLLM's automatic share; else None);
+    ``reserve_bytes``: the margin the plan keeps free beside that share; ``applies``: false where nothing could
+    move (no GPU, no colocation)."""
+    moves: bool
+    reason: str
+    setting: object = "auto"
+    utilization: Optional[float] = None
+    reserve_bytes: int = 0
+    applies: bool = True
+
+    def line(self) -> str:
+        """``distributed.offload_state=auto: the training state stays on the GPU (the plan ...)``, for the console."""
+        if not self.applies:
+            what = "nothing moves"
+        else:
+            what = "the training state " + ("moves to the host while the engines work" if self.moves
+                                            else "stays on the GPU")
+        return f"distributed.offload_state={setting_text(self.setting)}: {what} ({self.reason})"
+
+
+def setting_text(setting) -> str:
+    """The config value as written: ``auto``, ``true``, ``false``."""
+    return str(setting).lower() if isinstance(setting, bool) else str(setting)
 
 
 def uses_reference(cfg) -> bool:
