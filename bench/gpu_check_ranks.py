@@ -25,7 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from gpu_check import TRAIN_OVERRIDES, random_policy, record  # noqa: E402
+from gpu_check import record  # noqa: E402
+from gpu_check_train import TRAIN_OVERRIDES, random_policy  # noqa: E402
 
 
 def _sample_gpus(pids_of_run, stop: threading.Event, seen: dict) -> None:

@@ -229,10 +229,10 @@ def stage_critic(out: str, work: str, device: str) -> tuple:
 
 
 def stage_rollout(out: str, work: str, device: str) -> tuple:
-    from gpu_check import _run_bench
+    from gpu_check_train import run_bench
 
-    rc = _run_bench(out, "bench_rollout.py", ["--engine", "vllm", "--trajectories", "256", "--reps", "3"],
-                    "vllm_rollout_bench.log", 1200)
+    rc = run_bench(out, "bench_rollout.py", ["--engine", "vllm", "--trajectories", "256", "--reps", "3"],
+                   "vllm_rollout_bench.log", 1200)
     if rc:
         return "failed", f"bench_rollout.py exit {rc}, see vllm_rollout_bench.log", {}
     res = json.load(open(sorted(glob.glob(os.path.join(out, "rollout_vllm_*.json")))[-1]))
@@ -242,7 +242,7 @@ def stage_rollout(out: str, work: str, device: str) -> tuple:
 
 
 def stage_train(out: str, work: str, device: str) -> tuple:
-    from gpu_check import train_overrides
+    from gpu_check_train import train_overrides
 
     cuda = device == "cuda"
     run = os.path.join(work, "train_vllm_colocated")

@@ -5,7 +5,8 @@
     torchrun --nproc_per_node=8 -m fastcredit.train --config configs/cwgrpo.yaml
     torchrun --nproc_per_node=8 -m fastcredit.train --config configs/cwgrpo.yaml distributed.engine=deepspeed  # ZeRO-3
     python -m fastcredit.train --config configs/debug.yaml --resume      # continue from the last checkpoint
-    nsys profile --capture-range=cudaProfilerApi python -m fastcredit.train --profile ...
+    python -m fastcredit.train --config configs/debug.yaml --profile     # torch.profiler trace + phase table
+    nsys profile --capture-range=cudaProfilerApi python -m fastcredit.train --profile ...     # where nsys exists
     python -m fastcredit.train --config configs/criticsearch.yaml --memory-report --gpu-gib 80 --gpus 8
 
 Settings come from the YAML (default: configs/demo.yaml), then key=value overrides. Each step
@@ -44,7 +45,8 @@ SYNOPSIS = """python -m fastcredit.train [--config X.yaml] [key=value ...] [--re
 FLAGS = """
 --config X.yaml       the run's YAML (values only; default configs/demo.yaml); key=value overrides apply after it
 --resume              continue from the run folder's last checkpoint (metrics.jsonl is cut back to it)
---profile             CUDA profiler range around three steps (nsys --capture-range=cudaProfilerApi)
+--profile             three steps profiled: a torch.profiler trace and its per-phase table in RUN/profile/, and
+                      the CUDA profiler range nsys captures (nsys --capture-range=cudaProfilerApi) where it runs
 --memory-report       print the GPU and host memory budget of each phase and exit (nothing loads); exit 2 if it
                       cannot run
   --gpu-gib G         GPU size in GiB (default: the local GPU's, else 80)

@@ -168,7 +168,8 @@ def describe(cls=None, prefix: str = "", keys: Optional[typing.Collection[str]] 
 
 def _type_name(tp) -> str:
     if typing.get_origin(tp) is Literal:
-        return " | ".join(str(a) for a in typing.get_args(tp))
+        # YAML's spelling of a bool (offload_state: auto | true | false)
+        return " | ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is typing.Union:
         return "optional " + " | ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
     return getattr(tp, "__name__", str(tp))
