@@ -13,9 +13,15 @@ logits), so it is compared at equal work in ``bench_linear_logprob.py`` instead.
 Throughput is counted from the bytes the op must move at least (inputs read once,
 gradients written once; ``bytes_moved``), the same for every provider, against the
 measured device-to-device copy bandwidth. Target (H100): fwd+bwd at N = 8M at >= 70% of
-that bandwidth and >= 5x faster than ``torch``.
+that bandwidth and >= 5x faster than ``torch`` (issue 46: >= 80% on the H100 and the H200).
+
+    python bench/bench_turn_surrogate.py --device cpu      # a tiny run of every provider, no timing harness
 """
 from __future__ import annotations
+
+import argparse
+import functools
+import time
 
 import pytest
 import torch
@@ -23,7 +29,10 @@ import torch
 from shapes import LOSS_SHAPES, MODES, LossShape
 
 AGG = ("turn-mean", "token-mean")
-PROVIDERS = ("torch", "compile", "triton")
+# triton_<variant>[_b<block>w<warps>]: issue 46's candidate launches (kernels/turn_surrogate/README.md, "Variants").
+LAUNCHES = {"triton_stream": ("stream", None, 8), "triton_persistent": ("persistent", None, 8),
+            "triton_stream_b4096w16": ("stream", 4096, 16), "triton_persistent_b4096w16": ("persistent", 4096, 16)}
+PROVIDERS = ("torch", "compile", "triton") + tuple(LAUNCHES)
 _COMPILED = {}
 DEVICE = "cuda"
 
@@ -69,6 +78,13 @@ def loss_fn(provider: str):
         if "fn" not in _COMPILED:
             _COMPILED["fn"] = torch.compile(policy_loss_torch, dynamic=False)
         return _COMPILED["fn"]
+    if provider in LAUNCHES:
+        from fastcredit.kernels.turn_surrogate import SurrogateLaunch
+
+        variant, block, warps = LAUNCHES[provider]
+        # one program per SM at 16 warps (1 block/SM resident: bench/results/gpu_preflight)
+        launch = SurrogateLaunch(variant, num_warps=warps, programs_per_sm=1 if warps == 16 else 2)
+        return functools.partial(turn_surrogate_loss, launch=launch, block=block)
     return turn_surrogate_loss
 
 
@@ -107,3 +123,23 @@ def test_turn_surrogate(benchmark, harness, shape, agg, provider, mode):
             "mode": mode}
     harness.measure(benchmark, "turn_surrogate", case, make_case(batch, provider, agg, mode),
                     bytes_moved=bytes_moved(N, S, mode, agg))
+
+
+def main(argv=None) -> None:
+    """One fwd+bwd of every provider at a tiny shape, against the torch provider (a smoke run, not a timing)."""
+    p = argparse.ArgumentParser(description="tiny smoke run of the turn-surrogate providers")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", type=int, default=4096)
+    a = p.parse_args(argv)
+    batch = make_batch(LossShape("tiny", a.tokens, context=1024), device=a.device)
+    ref = None
+    for provider in [q for q in PROVIDERS if q != "compile"]:
+        start = time.perf_counter()
+        grads = make_case(batch, provider, "turn-mean", "fwd+bwd")()
+        ref = grads if ref is None else ref
+        err = max((g - r).abs().max().item() for g, r in zip(grads, ref))
+        print(f"{provider}: {1e3 * (time.perf_counter() - start):.1f} ms, max |grad - torch's| {err:.2e}")
+
+
+if __name__ == "__main__":
+    main()

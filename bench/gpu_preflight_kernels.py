@@ -14,7 +14,8 @@ Exit status 1, naming the kernel and its config, on a compile error (or host cod
 fails before its launch), shared memory above the arch's per-block limit, or a register
 spill of the linear log-prob (bf16 and fp32); the turn surrogate's spills (an fp32 op) are
 warnings. About 20 s of CPU per arch with a cold Triton cache (``TRITON_CACHE_DIR``), most
-of it compiling: 28 distinct kernels per arch from 40 cases.
+of it compiling: 28 distinct kernels per arch from 40 cases, then issue 46's candidate variants
+(``variant_cases``).
 """
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ from aot_compile import CompileFailed, compile_only, limit_problems, resource_us
 from results_io import device_name  # noqa: E402
 from shapes import LOGPROB_SHAPES, LOSS_SHAPES  # noqa: E402
 
-from fastcredit.kernels.linear_logprob import linear_logprob_triton  # noqa: E402
-from fastcredit.kernels.turn_surrogate import AGG_MODES, turn_surrogate_loss  # noqa: E402
+from fastcredit.kernels.linear_logprob import VARIANTS, linear_logprob_triton, variant_config  # noqa: E402
+from fastcredit.kernels.turn_surrogate import AGG_MODES, SurrogateLaunch, turn_surrogate_loss  # noqa: E402
 from fastcredit.trainer.loss import LossCounts  # noqa: E402
 from fastcredit.config.loss import LossConfig  # noqa: E402
 
@@ -61,6 +62,15 @@ SURROGATE_INPUTS = {
 # paths). Its one spill today: 4 B, one register around a layout-conversion barrier of the all-inputs backward on
 # sm_80, which ptxas chose at 48 registers of 255. The linear log-prob spills in neither dtype: both fail.
 SPILL_WARNS = {"turn_surrogate"}
+# Candidate variants of issue 46 (kernels/*/README.md, "Variants"), compiled at the Qwen2.5 shapes in bf16 with both
+# gradients (the log-prob: variant_config, the arch's own config with the variant's fields) and for the benchmark's
+# token-mean case with every input (the turn surrogate).
+LOGPROB_VARIANTS = [v for v in VARIANTS if v != "default"]
+SURROGATE_LAUNCHES = {
+    "stream": (SurrogateLaunch("stream"), None), "persistent": (SurrogateLaunch("persistent"), None),
+    "stream b4096 w16": (SurrogateLaunch("stream", num_warps=16), 4096),
+    "persistent b4096 w16": (SurrogateLaunch("persistent", num_warps=16, programs_per_sm=1), 4096),
+}
 
 
 @dataclass(frozen=True)
@@ -73,19 +83,22 @@ class Case:
     variant: str
     run: Callable[[], None]
     seg_dtype: Optional[str] = None
+    archs: Optional[tuple] = None  # the archs this case exists for; None: every arch
 
 
-def _logprob(N: int, H: int, V: int, dtype: torch.dtype, grads: str) -> None:
+def _logprob(N: int, H: int, V: int, dtype: torch.dtype, grads: str, variant: Optional[str] = None) -> None:
     """Forward and backward of the fused log-prob on meta tensors (shape-only: the backward's GEMMs cost nothing)."""
     hidden = torch.empty(N, H, dtype=dtype, device="meta", requires_grad=True)
     weight = torch.empty(V, H, dtype=dtype, device="meta", requires_grad=True)
     target = torch.empty(N, dtype=torch.int64, device="meta")
-    logp, entropy = linear_logprob_triton(hidden, weight, target)
+    config = variant_config(variant, N, V, H, dtype) if variant else None  # for the arch compile_only targets
+    logp, entropy = linear_logprob_triton(hidden, weight, target, config=config)
     outs = (logp, entropy) if grads == "logp+entropy" else (logp,)
     torch.autograd.grad(outs, (hidden, weight), [torch.empty_like(o) for o in outs])
 
 
-def _surrogate(N: int, trajectories: int, turns: int, mode: str, inputs: str, seg_dtype: torch.dtype) -> None:
+def _surrogate(N: int, trajectories: int, turns: int, mode: str, inputs: str, seg_dtype: torch.dtype,
+               launch: Optional[SurrogateLaunch] = None, block: Optional[int] = None) -> None:
     """Forward and backward of the fused loss on CPU tensors that are never written (no memory is touched).
 
     Not meta tensors: the per-trajectory modes size a buffer from ``seg_traj_S.max()`` on the host.
@@ -99,7 +112,8 @@ def _surrogate(N: int, trajectories: int, turns: int, mode: str, inputs: str, se
     loss, _ = turn_surrogate_loss(logp, torch.empty(N), torch.empty(N, dtype=seg_dtype),
                                   torch.arange(trajectories).repeat_interleave(turns),
                                   LossCounts(float(N), float(trajectories), float(S)),
-                                  LossConfig(agg_mode=mode, **extra_cfg), adv_S=torch.empty(S), **opt)
+                                  LossConfig(agg_mode=mode, **extra_cfg), adv_S=torch.empty(S), **opt,
+                                  launch=launch, block=block)
     wrt = [logp] + ([opt["entropy_N"]] if "entropy_N" in opt else [])
     torch.autograd.grad(loss, wrt, torch.ones(()))
 
@@ -119,6 +133,23 @@ def cases() -> list:
                     run = functools.partial(_surrogate, shape.tokens, shape.trajectories, shape.turns, mode, inputs,
                                             seg_dtype)
                     out.append(Case("turn_surrogate", shape.name, "fp32", f"{mode} {inputs}", run, seg_name))
+    return out + variant_cases()
+
+
+def variant_cases() -> list:
+    """The candidate variants: the log-prob's at both Qwen2.5 shapes, the turn surrogate's at N = 8M."""
+    out = []
+    for shape in [s for s in LOGPROB_SHAPES if s.tokens == LOGPROB_TOKENS]:
+        for name in LOGPROB_VARIANTS:
+            run = functools.partial(_logprob, shape.tokens, shape.hidden, shape.vocab, torch.bfloat16,
+                                    "logp+entropy", name)
+            archs = (80, 90) if name == "fused_skip" else None  # variant_config: no sm_100 build with Triton 3.7.1
+            out.append(Case("linear_logprob", shape.name, "bf16", f"grad logp+entropy {name}", run, archs=archs))
+    shape = next(s for s in LOSS_SHAPES if s.tokens == 1 << 23)
+    for name, (launch, block) in SURROGATE_LAUNCHES.items():
+        run = functools.partial(_surrogate, shape.tokens, shape.trajectories, shape.turns, "token-mean", "all",
+                                torch.int32, launch, block)
+        out.append(Case("turn_surrogate", shape.name, "fp32", f"token-mean all {name}", run, "int32"))
     return out
 
 
@@ -220,6 +251,9 @@ def preflight(out_dir: str, archs: list, log: Callable[[str], None] = print) -> 
                             "torch": torch.__version__, "compiled_on": device_name("cpu")}) + "\n")
         for arch in archs:
             for case in cases():
+                if case.archs and arch not in case.archs:
+                    log(f"[preflight] sm_{arch} {case.op} {case.shape} {case.variant}: not built for sm_{arch}")
+                    continue
                 for row in run_case(case, arch, log):
                     rows.append(row)
                     f.write(json.dumps(row) + "\n")

@@ -5,8 +5,9 @@ torch reference; ``fastcredit.models.logprob.linear_logprob`` chooses between th
 (``fastcredit.kernels._dispatch``).
 """
 from .naive import linear_logprob_naive
-from .triton import (LinearLogprobFunction, LogprobConfig, default_config, linear_logprob_bwd, linear_logprob_fwd,
-                     linear_logprob_triton)
+from .triton import (BWD_VARIANTS, VARIANTS, LinearLogprobFunction, LogprobConfig, default_config, linear_logprob_bwd,
+                     linear_logprob_fwd, linear_logprob_triton, variant_config)
 
-__all__ = ["LinearLogprobFunction", "LogprobConfig", "default_config", "linear_logprob_bwd", "linear_logprob_fwd",
-           "linear_logprob_naive", "linear_logprob_triton"]
+__all__ = ["BWD_VARIANTS", "VARIANTS", "LinearLogprobFunction", "LogprobConfig", "default_config",
+           "linear_logprob_bwd", "linear_logprob_fwd", "linear_logprob_naive", "linear_logprob_triton",
+           "variant_config"]

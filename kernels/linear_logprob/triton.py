@@ -20,45 +20,21 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._dispatch import interpreted
+from .fused_bwd import linear_logprob_bwd_fused
+from .tiles import dlogits_tile, grouped_tile, logits_tile
 
 
 @triton.jit
-def _logits_tile(HID, W, rows, cols, N, v_hi, H, stride_hn, stride_wv, BLOCK_N: tl.constexpr,
-                 BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr, DOT_F32: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """fp32 [BLOCK_N, BLOCK_V] = hidden[rows] @ W[cols]ᵀ (rows, cols int64; out-of-range lanes read 0)."""
-    rmask = rows < N
-    cmask = cols < v_hi
-    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_H):
-        ks = k0 + tl.arange(0, BLOCK_H)
-        if EVEN_H:
-            amask = rmask[:, None]
-            bmask = cmask[:, None]
-        else:
-            amask = rmask[:, None] & (ks < H)[None, :]
-            bmask = cmask[:, None] & (ks < H)[None, :]
-        a = tl.load(HID + rows[:, None] * stride_hn + ks[None, :], mask=amask, other=0.0)  # [BLOCK_N, BLOCK_H]
-        b = tl.load(W + cols[:, None] * stride_wv + ks[None, :], mask=bmask, other=0.0)  # [BLOCK_V, BLOCK_H]
-        if DOT_F32:
-            # NOTE: the interpreter multiplies bf16 bit patterns in tl.dot; fp32 products of bf16 are exact.
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
-def _fwd_kernel(HID, W, TGT, PART, N, V, H, stride_hn, stride_wv, inv_temp, v_per_split, n_splits, plane,
-                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr,
-                DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+def _fwd_item(HID, W, TGT, PART, item, N, V, H, stride_hn, stride_wv, inv_temp, v_per_split, n_splits, plane,
+              BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr,
+              DOT_F32: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
     """PART[:, split, rows] = (max z, Σ e^(z-max), Σ e^(z-max)(z-max), target z) over one vocabulary slice."""
     # Splits vary fastest: programs running together share hidden rows and walk their W slices in step.
-    pid = tl.program_id(0)
-    pid_n = pid // n_splits
-    pid_s = pid % n_splits
+    pid_n = item // n_splits
+    pid_s = item % n_splits
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     tgt = tl.load(TGT + rows, mask=rows < N, other=-1).to(tl.int64)
     v_lo = pid_s.to(tl.int64) * v_per_split
@@ -75,8 +51,8 @@ def _fwd_kernel(HID, W, TGT, PART, N, V, H, stride_hn, stride_wv, inv_temp, v_pe
         valid = (offs_v < tl.minimum(v_hi - v0, BLOCK_V).to(tl.int32))[None, :]
         tgt_v = tgt - v0  # [BLOCK_N]
         tgt_v = tl.where((tgt_v >= 0) & (tgt_v < BLOCK_V), tgt_v, -1).to(tl.int32)
-        z = _logits_tile(HID, W, rows, cols, N, v_hi, H, stride_hn, stride_wv, BLOCK_N, BLOCK_V, BLOCK_H,
-                         EVEN_H, DOT_F32, PRECISION) * inv_temp
+        z = logits_tile(HID, W, rows, cols, N, v_hi, H, stride_hn, stride_wv, BLOCK_N, BLOCK_V, BLOCK_H,
+                        EVEN_H, DOT_F32, PRECISION, TMA, WARP_SPEC) * inv_temp
         z = tl.where(valid, z, float("-inf"))  # [BLOCK_N, BLOCK_V]
         m_new = tl.maximum(m, tl.max(z, 1))
         alpha = tl.exp(m - m_new)
@@ -93,6 +69,23 @@ def _fwd_kernel(HID, W, TGT, PART, N, V, H, stride_hn, stride_wv, inv_temp, v_pe
     tl.store(out + plane, s, mask=rmask)
     tl.store(out + 2 * plane, t, mask=rmask)
     tl.store(out + 3 * plane, zt, mask=rmask)
+
+
+@triton.jit
+def _fwd_kernel(HID, W, TGT, PART, N, V, H, stride_hn, stride_wv, inv_temp, v_per_split, n_splits, plane,
+                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr,
+                DOT_F32: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr = False,
+                WARP_SPEC: tl.constexpr = False, PERSISTENT: tl.constexpr = False):
+    """One (row block, vocabulary slice) item per program, or (PERSISTENT) items pid, pid + P, ... in order."""
+    pid = tl.program_id(0)
+    if PERSISTENT:
+        n_items = tl.cdiv(N, BLOCK_N) * n_splits
+        for item in range(pid, n_items, tl.num_programs(0)):
+            _fwd_item(HID, W, TGT, PART, item, N, V, H, stride_hn, stride_wv, inv_temp, v_per_split, n_splits,
+                      plane, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, DOT_F32, PRECISION, TMA, WARP_SPEC)
+    else:
+        _fwd_item(HID, W, TGT, PART, pid, N, V, H, stride_hn, stride_wv, inv_temp, v_per_split, n_splits, plane,
+                  BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, DOT_F32, PRECISION, TMA, WARP_SPEC)
 
 
 @triton.jit
@@ -126,37 +119,18 @@ def _combine_kernel(PART, TGT, LOGP, ENT, LSE, N, V, n_splits, plane, BLOCK: tl.
 def _dlogits_kernel(HID, W, TGT, LSE, ENT, GLOGP, GENT, DZ, N, V, H, c0, c_hi, stride_hn, stride_wv, stride_dz,
                     inv_temp, HAS_GLOGP: tl.constexpr, HAS_GENT: tl.constexpr, GROUP_N: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_H: tl.constexpr,
-                    DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr = False,
+                    WARP_SPEC: tl.constexpr = False):
     """DZ[rows, cols - c0] = d(loss)/d(hidden @ Wᵀ) for vocabulary columns [c0, c_hi), logits recomputed."""
-    pid = tl.program_id(0)
-    n_pid_n = tl.cdiv(N, BLOCK_N)
-    n_pid_v = tl.cdiv(c_hi - c0, BLOCK_V)
-    # Grouped order: GROUP_N row blocks sweep the chunk's columns together (L2 reuse of W).
-    group = pid // (GROUP_N * n_pid_v)
-    first_n = group * GROUP_N
-    group_size = tl.minimum(n_pid_n - first_n, GROUP_N)
-    pid_n = first_n + (pid % (GROUP_N * n_pid_v)) % group_size
-    pid_v = (pid % (GROUP_N * n_pid_v)) // group_size
+    pid_n, pid_v = grouped_tile(tl.program_id(0), N, c_hi - c0, GROUP_N, BLOCK_N, BLOCK_V)
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_v = tl.arange(0, BLOCK_V)  # [BLOCK_V] int32, as in the forward's epilogue
     v0 = c0 + pid_v.to(tl.int64) * BLOCK_V
     cols = v0 + offs_v  # [BLOCK_V] int64, for the addresses only
     rmask = rows < N
-    z = _logits_tile(HID, W, rows, cols, N, c_hi, H, stride_hn, stride_wv, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H,
-                     DOT_F32, PRECISION) * inv_temp
-    lse = tl.load(LSE + rows, mask=rmask, other=0.0)
-    p = tl.exp(z - lse[:, None])  # [BLOCK_N, BLOCK_V] softmax probabilities
-    dz = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    if HAS_GLOGP:
-        tgt = tl.load(TGT + rows, mask=rmask, other=-1).to(tl.int64)
-        g = tl.load(GLOGP + rows, mask=rmask & (tgt >= 0) & (tgt < V), other=0.0).to(tl.float32)
-        tgt_v = tgt - v0  # [BLOCK_N]
-        tgt_v = tl.where((tgt_v >= 0) & (tgt_v < BLOCK_V), tgt_v, -1).to(tl.int32)
-        dz += g[:, None] * (tl.where(offs_v[None, :] == tgt_v[:, None], 1.0, 0.0) - p)
-    if HAS_GENT:
-        mu = lse - tl.load(ENT + rows, mask=rmask, other=0.0)  # Σ p z = lse - entropy
-        g_ent = tl.load(GENT + rows, mask=rmask, other=0.0).to(tl.float32)
-        dz -= g_ent[:, None] * p * (z - mu[:, None])
+    z = logits_tile(HID, W, rows, cols, N, c_hi, H, stride_hn, stride_wv, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H,
+                    DOT_F32, PRECISION, TMA, WARP_SPEC) * inv_temp
+    dz = dlogits_tile(z, rows, offs_v, v0, TGT, LSE, ENT, GLOGP, GENT, N, V, HAS_GLOGP, HAS_GENT, BLOCK_N, BLOCK_V)
     col_dz = pid_v * BLOCK_V + offs_v  # [BLOCK_V] int32 column in the chunk
     out = DZ + rows[:, None] * stride_dz + col_dz[None, :]
     tl.store(out, (dz * inv_temp).to(DZ.dtype.element_ty), mask=rmask[:, None] & (col_dz < c_hi - c0)[None, :])
@@ -176,6 +150,25 @@ class LogprobConfig:
     num_stages: int = 3
     max_registers: Optional[int] = None  # ptxas's cap per thread (Triton's ``maxnreg``); None: ptxas decides
     fp32_precision: str = "ieee"  # tl.dot input_precision for fp32 inputs on a GPU: "ieee" (FMA) or "tf32x3"
+    # Candidates for the Hopper anchor (README.md, "Variants"); the defaults are the kernels measured so far.
+    bwd: str = "chunked"  # "chunked": dZ chunk + two cuBLAS GEMMs; "fused": one Triton kernel per tile, fp32 atomics
+    skip_eps: float = 0.0  # fused only: skip a tile's dH / dW products when every |dZ| < skip_eps (0: never)
+    block_ho: int = 64  # fused only: H columns of the dH / dW output tiles
+    tma: bool = False  # operand tiles of the forward and dlogits kernels through TMA descriptors (sm_90+)
+    warp_specialize: bool = False  # Triton's automatic warp specialisation of the H loop
+    persistent: bool = False  # forward: programs_per_sm programs per SM walk the (row block, slice) items
+    programs_per_sm: int = 2
+    persistent_max_registers: Optional[int] = None  # the persistent forward's cap (None: ptxas decides)
+    fused_max_registers: Optional[int] = None  # the fused backward's cap (None: ptxas decides)
+
+    def __post_init__(self):
+        if self.bwd not in BWD_VARIANTS:
+            raise ValueError(f"unknown log-prob backward {self.bwd!r}; valid: {', '.join(BWD_VARIANTS)}")
+        if self.skip_eps and self.bwd != "fused":
+            raise ValueError("skip_eps needs bwd='fused' (the chunked backward's GEMMs cannot skip tiles)")
+
+
+BWD_VARIANTS = ("chunked", "fused")
 
 
 def gpu_config(N: int, V: int, H: int, dtype: torch.dtype, arch: int = 90) -> LogprobConfig:
@@ -200,6 +193,37 @@ def gpu_config(N: int, V: int, H: int, dtype: torch.dtype, arch: int = 90) -> Lo
     return replace(cfg, chunk_v=chunk)
 
 
+# Candidate variants of issue 46 (README.md, "Variants"), each a set of fields over gpu_config's choice. The
+# register caps are sm_90's: at the default cap of 128 the persistent forward spills 8 B and the fused backward
+# 516 B there (bench/results/gpu_preflight); "default" is the measured kernel and stays the default until a GPU
+# timing says otherwise.
+VARIANTS = ("default", "tma", "persistent", "tma+persistent", "warp_specialize", "fused", "fused_skip")
+SKIP_EPS = 2.0 ** -20  # fused_skip's threshold on |dZ| (README.md: the error bound it gives)
+
+
+def variant_config(name: str, N: int, V: int, H: int, dtype: torch.dtype, arch: Optional[int] = None) -> LogprobConfig:
+    """:func:`gpu_config` (for ``arch``, default the GPU Triton compiles for) with variant ``name``'s fields; on the
+    interpreter with no ``arch``, its own tiles (:func:`default_config`) with sm_90's fields.
+
+    TMA exists from sm_90 (below, "tma" is the default kernel); ``fused_skip`` does not compile for sm_100 with
+    Triton 3.7.1 (its tensor-memory layout pass fails) and raises there.
+    """
+    if name not in VARIANTS:
+        raise ValueError(f"unknown log-prob variant {name!r}; valid: {', '.join(VARIANTS)}")
+    on_interpreter = arch is None and interpreted()
+    arch = 90 if on_interpreter else _target_arch() if arch is None else arch
+    if name == "fused_skip" and arch >= 100:
+        raise ValueError("log-prob variant fused_skip does not compile for sm_100 with Triton 3.7.1")
+    cfg = default_config(N, V, H, dtype) if on_interpreter else gpu_config(N, V, H, dtype, arch)
+    tma = dict(tma=arch >= 90)
+    persistent = dict(persistent=True, programs_per_sm=1, **({"persistent_max_registers": 168} if arch == 90 else {}))
+    fused = dict(bwd="fused", **({"block_ho": 32} if arch >= 100 else {}))
+    fields = {"default": {}, "tma": tma, "persistent": persistent, "tma+persistent": dict(**tma, **persistent),
+              "warp_specialize": dict(warp_specialize=True), "fused": fused,
+              "fused_skip": dict(skip_eps=SKIP_EPS, **fused)}[name]
+    return replace(cfg, **fields)
+
+
 def _target_arch() -> int:
     """The compute capability (e.g. 90) Triton compiles for now; 0 for a GPU that is not CUDA."""
     target = triton.runtime.driver.active.get_current_target()
@@ -215,14 +239,44 @@ def default_config(N: int, V: int, H: int, dtype: torch.dtype) -> LogprobConfig:
     return gpu_config(N, V, H, dtype, _target_arch())
 
 
-def _launch_flags(dtype: torch.dtype, cfg: LogprobConfig) -> dict:
-    """tl.dot flags and launch options of the matmul kernels."""
+def launch_flags(dtype: torch.dtype, cfg: LogprobConfig, kernel: str = "") -> dict:
+    """tl.dot flags and launch options of the matmul kernels (``kernel``: "fwd", "dlogits" or "fused")."""
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.max_registers:
-        opts["maxnreg"] = cfg.max_registers
+    if cfg.warp_specialize:
+        opts["WARP_SPEC"] = True
+    regs = cfg.max_registers
+    if kernel == "fwd" and cfg.persistent:
+        regs = cfg.persistent_max_registers
+    elif kernel == "fused":
+        regs = cfg.fused_max_registers
+    if regs:
+        opts["maxnreg"] = regs
     if interpreted():
         return dict(DOT_F32=True, PRECISION="ieee", **opts)
     return dict(DOT_F32=False, PRECISION=cfg.fp32_precision if dtype == torch.float32 else "tf32", **opts)
+
+
+def use_tma(t: torch.Tensor, cfg: LogprobConfig) -> bool:
+    """Whether ``cfg.tma`` applies to ``t`` [rows, H]: TMA needs 16-byte aligned row strides and base (H = 2,048
+    or 3,584 qualify); otherwise the kernels fall back to pointer loads."""
+    return cfg.tma and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 and t.stride(1) == 1
+
+
+def operands(hidden_NH, weight_VH, cfg: LogprobConfig) -> tuple:
+    """(HID, W, flags): the tensors themselves, or TMA descriptors of their [BLOCK, BLOCK_H] tiles."""
+    if not (use_tma(hidden_NH, cfg) and use_tma(weight_VH, cfg)):
+        return hidden_NH, weight_VH, {}
+    return (TensorDescriptor.from_tensor(hidden_NH, [cfg.block_n, cfg.block_h]),
+            TensorDescriptor.from_tensor(weight_VH, [cfg.block_v, cfg.block_h]), {"TMA": True})
+
+
+def resident_programs(device: torch.device, per_sm: int) -> int:
+    """Programs of a persistent grid: ``per_sm`` per SM of a CUDA device (132, an H100's, for a compile without
+    one) and 5 on the interpreter, so that a small test walks several items per program."""
+    if interpreted():
+        return 5
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return sms * per_sm
 
 
 def linear_logprob_fwd(hidden_NH, weight_VH, target_N, temperature: float, cfg: LogprobConfig):
@@ -239,10 +293,14 @@ def linear_logprob_fwd(hidden_NH, weight_VH, target_N, temperature: float, cfg: 
     n_splits = max(1, min(cfg.n_splits, n_tiles))
     v_per_split = triton.cdiv(n_tiles, n_splits) * cfg.block_v
     part = torch.empty((4, n_splits, N), dtype=torch.float32, device=dev)  # [4, K, N]
-    grid = (triton.cdiv(N, cfg.block_n) * n_splits,)
-    _fwd_kernel[grid](hidden_NH, weight_VH, target_N, part, N, V, H, hidden_NH.stride(0), weight_VH.stride(0),
+    items = triton.cdiv(N, cfg.block_n) * n_splits
+    grid = (min(items, resident_programs(dev, cfg.programs_per_sm)) if cfg.persistent else items,)
+    hid, w, tma = operands(hidden_NH, weight_VH, cfg)
+    flags = dict(PERSISTENT=True) if cfg.persistent else {}
+    _fwd_kernel[grid](hid, w, target_N, part, N, V, H, hidden_NH.stride(0), weight_VH.stride(0),
                       1.0 / temperature, v_per_split, n_splits, n_splits * N, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v,
-                      BLOCK_H=cfg.block_h, EVEN_H=H % cfg.block_h == 0, **_launch_flags(hidden_NH.dtype, cfg))
+                      BLOCK_H=cfg.block_h, EVEN_H=H % cfg.block_h == 0, **tma, **flags,
+                      **launch_flags(hidden_NH.dtype, cfg, "fwd"))
     block = 1024
     _combine_kernel[(triton.cdiv(N, block),)](part, target_N, logp_N, entropy_N, lse_N, N, V, n_splits,
                                               n_splits * N, BLOCK=block, num_warps=4)
@@ -272,10 +330,15 @@ def _accumulate_mm(acc_NH: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> to
 def linear_logprob_bwd(g_logp_N, g_ent_N, hidden_NH, weight_VH, target_N, lse_N, entropy_N, temperature: float,
                        cfg: LogprobConfig, need_dh: bool = True, need_dw: bool = True):
     """``(dhidden_NH or None, dweight_VH or None)`` for upstream grads of logp and entropy (either may be None)."""
+    if cfg.bwd == "fused":
+        return linear_logprob_bwd_fused(g_logp_N, g_ent_N, hidden_NH, weight_VH, target_N, lse_N, entropy_N,
+                                        temperature, cfg, launch_flags(hidden_NH.dtype, cfg, "fused"), need_dh,
+                                        need_dw)
     N, H = hidden_NH.shape
     V = weight_VH.shape[0]
     dh_NH = torch.zeros((N, H), dtype=torch.float32, device=hidden_NH.device) if need_dh else None
     dw_VH = torch.empty_like(weight_VH) if need_dw else None
+    hid, w, tma = operands(hidden_NH, weight_VH, cfg)
     chunk = min(cfg.chunk_v, triton.cdiv(V, cfg.block_v) * cfg.block_v)
     dz_NC = torch.empty((N, chunk), dtype=hidden_NH.dtype, device=hidden_NH.device)
     for c0 in range(0, V, chunk):
@@ -283,11 +346,11 @@ def linear_logprob_bwd(g_logp_N, g_ent_N, hidden_NH, weight_VH, target_N, lse_N,
         grid = (triton.cdiv(N, cfg.block_n) * triton.cdiv(c_hi - c0, cfg.block_v),)
         if N:
             _dlogits_kernel[grid](
-                hidden_NH, weight_VH, target_N, lse_N, entropy_N, g_logp_N, g_ent_N, dz_NC, N, V, H, c0, c_hi,
+                hid, w, target_N, lse_N, entropy_N, g_logp_N, g_ent_N, dz_NC, N, V, H, c0, c_hi,
                 hidden_NH.stride(0), weight_VH.stride(0), dz_NC.stride(0), 1.0 / temperature,
                 HAS_GLOGP=g_logp_N is not None, HAS_GENT=g_ent_N is not None, GROUP_N=cfg.group_n,
-                BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_H=H % cfg.block_h == 0,
-                **_launch_flags(hidden_NH.dtype, cfg))
+                BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, EVEN_H=H % cfg.block_h == 0, **tma,
+                **launch_flags(hidden_NH.dtype, cfg, "dlogits"))
         dz = dz_NC[:, : c_hi - c0]  # [N, C]
         if need_dw:
             torch.mm(dz.t(), hidden_NH, out=dw_VH[c0:c_hi])

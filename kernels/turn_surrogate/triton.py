@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import interpreted
+from .launch import SurrogateLaunch, default_block, gpu_block, resident_programs  # noqa: F401
 from .naive import AGG_MODES
 
 # Columns of the [P, K] partial-sum buffer.
@@ -49,8 +49,18 @@ def _turn_count_kernel(SEG, LMASK, CNT, N, HAS_LMASK: tl.constexpr, BLOCK: tl.co
 
 
 @triton.jit
+def _ld(PTR, offs, inb, counted, STREAM: tl.constexpr):
+    """fp32 PTR[offs] on counted tokens, 0 elsewhere. STREAM: load every in-bounds token (a mask that does not
+    depend on seg_id: 128-bit loads, issued before seg_id arrives) and zero the rest after (README.md)."""
+    if STREAM:
+        return tl.where(counted, tl.load(PTR + offs, mask=inb, other=0.0).to(tl.float32), 0.0)
+    return tl.load(PTR + offs, mask=counted, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _load_token(LOGP, OLD, SEG, LMASK, ADV, CNT, offs, N, inv_denom,
-                HAS_LMASK: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, SEG_COUNT: tl.constexpr):
+                HAS_LMASK: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, SEG_COUNT: tl.constexpr,
+                STREAM: tl.constexpr):
     """Counted-token mask, logp, old logp, advantage and aggregation scale of a block, all [BLOCK]."""
     inb = offs < N
     seg = tl.load(SEG + offs, mask=inb, other=-1)
@@ -58,10 +68,10 @@ def _load_token(LOGP, OLD, SEG, LMASK, ADV, CNT, offs, N, inv_denom,
     if HAS_LMASK:
         counted = counted & (tl.load(LMASK + offs, mask=inb, other=0) != 0)
     seg_safe = tl.where(counted, seg, 0).to(tl.int64)
-    logp = tl.load(LOGP + offs, mask=counted, other=0.0).to(tl.float32)
-    old = tl.load(OLD + offs, mask=counted, other=0.0).to(tl.float32)
+    logp = _ld(LOGP, offs, inb, counted, STREAM)
+    old = _ld(OLD, offs, inb, counted, STREAM)
     if ADV_PER_TOKEN:
-        adv = tl.load(ADV + offs, mask=counted, other=0.0).to(tl.float32)
+        adv = _ld(ADV, offs, inb, counted, STREAM)
     else:
         adv = tl.load(ADV + seg_safe, mask=counted, other=0.0).to(tl.float32)
     if SEG_COUNT:  # mean modes: 1 / (counted tokens of the token's turn or trajectory * global count)
@@ -73,20 +83,21 @@ def _load_token(LOGP, OLD, SEG, LMASK, ADV, CNT, offs, N, inv_denom,
 
 
 @triton.jit
-def _token_weight(W, PHI, offs, counted, logp, HAS_W: tl.constexpr, HAS_PHI: tl.constexpr):
+def _token_weight(W, PHI, offs, N, counted, logp, HAS_W: tl.constexpr, HAS_PHI: tl.constexpr,
+                  STREAM: tl.constexpr):
     """Per-token weight w (constant: no gradient), CHORD-phi p(1 - p) folded in; [BLOCK]."""
     w = tl.where(counted, 1.0, 0.0)
     if HAS_W:
-        w = w * tl.load(W + offs, mask=counted, other=0.0).to(tl.float32)
+        w = w * _ld(W, offs, offs < N, counted, STREAM)
     if HAS_PHI:
         p = tl.exp(logp)
-        w = tl.where(tl.load(PHI + offs, mask=counted, other=0) != 0, w * (p * (1.0 - p)), w)
+        w = tl.where(_ld(PHI, offs, offs < N, counted, STREAM) != 0, w * (p * (1.0 - p)), w)
     return w
 
 
 @triton.jit
-def _surrogate_terms(logp, old, adv, REF, offs, counted, clip_low, clip_high, dual_clip, kl_clamp,
-                     HAS_REF: tl.constexpr, HAS_DUAL: tl.constexpr):
+def _surrogate_terms(logp, old, adv, REF, offs, N, counted, clip_low, clip_high, dual_clip, kl_clamp,
+                     HAS_REF: tl.constexpr, HAS_DUAL: tl.constexpr, STREAM: tl.constexpr):
     """Surrogate pg, its d/dlogp, the clip flag, the dual-clip flag (0/1), k3 KL and its d/dlogp; all [BLOCK]."""
     ratio = tl.exp(logp - old)
     unclipped = -adv * ratio
@@ -105,7 +116,7 @@ def _surrogate_terms(logp, old, adv, REF, offs, counted, clip_low, clip_high, du
     kl = tl.zeros_like(logp)
     dkl = tl.zeros_like(logp)
     if HAS_REF:
-        d = tl.load(REF + offs, mask=counted, other=0.0).to(tl.float32) - logp
+        d = _ld(REF, offs, offs < N, counted, STREAM) - logp
         ed = tl.exp(d)
         raw = ed - d - 1.0
         kl = tl.minimum(tl.maximum(raw, -kl_clamp), kl_clamp)
@@ -114,32 +125,89 @@ def _surrogate_terms(logp, old, adv, REF, offs, counted, clip_low, clip_high, du
 
 
 @triton.jit
+def _fwd_block(LOGP, OLD, SEG, LMASK, ADV, CNT, REF, ENT, W, PHI, blk, N, inv_denom,
+               clip_low, clip_high, dual_clip, kl_clamp, beta, eta,
+               HAS_LMASK: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, SEG_COUNT: tl.constexpr,
+               HAS_REF: tl.constexpr, HAS_ENT: tl.constexpr, HAS_W: tl.constexpr, HAS_PHI: tl.constexpr,
+               HAS_DUAL: tl.constexpr, STREAM: tl.constexpr, BLOCK: tl.constexpr):
+    """Block ``blk``'s sums of the loss, pg, approx KL, clip flags, KL and entropy (8 fp32 scalars)."""
+    offs = blk * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    counted, logp, old, adv, coef = _load_token(LOGP, OLD, SEG, LMASK, ADV, CNT, offs, N, inv_denom,
+                                                HAS_LMASK, ADV_PER_TOKEN, SEG_COUNT, STREAM)
+    pg, dpg, is_clipped, dual, kl, dkl = _surrogate_terms(logp, old, adv, REF, offs, N, counted, clip_low,
+                                                             clip_high, dual_clip, kl_clamp, HAS_REF, HAS_DUAL,
+                                                             STREAM)
+    ent = tl.zeros_like(logp)
+    if HAS_ENT:
+        ent = _ld(ENT, offs, offs < N, counted, STREAM)
+    w = _token_weight(W, PHI, offs, N, counted, logp, HAS_W, HAS_PHI, STREAM)
+    scale = coef * w  # [BLOCK], zero on tokens that do not count
+    return (tl.sum(scale * (pg + beta * kl - eta * ent), 0), tl.sum(scale * pg, 0),
+            tl.sum(tl.where(counted, old - logp, 0.0), 0), tl.sum((counted & is_clipped & (adv < 0)).to(tl.float32), 0),
+            tl.sum((counted & is_clipped & (adv > 0)).to(tl.float32), 0), tl.sum(tl.where(counted, dual, 0.0), 0),
+            tl.sum(tl.where(counted, kl, 0.0), 0), tl.sum(ent, 0))
+
+
+@triton.jit
 def _fwd_kernel(LOGP, OLD, SEG, LMASK, ADV, CNT, REF, ENT, W, PHI, PART, N, inv_denom,
                 clip_low, clip_high, dual_clip, kl_clamp, beta, eta,
                 HAS_LMASK: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, SEG_COUNT: tl.constexpr,
                 HAS_REF: tl.constexpr, HAS_ENT: tl.constexpr, HAS_W: tl.constexpr, HAS_PHI: tl.constexpr,
-                HAS_DUAL: tl.constexpr, NUM_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
-    """PART[pid, :] = this block's sums of the loss, pg, approx KL, clip flags, KL and entropy."""
+                HAS_DUAL: tl.constexpr, NUM_SLOTS: tl.constexpr, BLOCK: tl.constexpr, STREAM: tl.constexpr,
+                PERSISTENT: tl.constexpr):
+    """PART[pid, :] = the sums of this program's blocks: block pid, or (PERSISTENT) blocks pid, pid + P, ..."""
     pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    counted, logp, old, adv, coef = _load_token(LOGP, OLD, SEG, LMASK, ADV, CNT, offs, N, inv_denom,
-                                                HAS_LMASK, ADV_PER_TOKEN, SEG_COUNT)
-    pg, dpg, is_clipped, dual, kl, dkl = _surrogate_terms(logp, old, adv, REF, offs, counted, clip_low,
-                                                             clip_high, dual_clip, kl_clamp, HAS_REF, HAS_DUAL)
-    ent = tl.zeros_like(logp)
-    if HAS_ENT:
-        ent = tl.load(ENT + offs, mask=counted, other=0.0).to(tl.float32)
-    w = _token_weight(W, PHI, offs, counted, logp, HAS_W, HAS_PHI)
-    scale = coef * w  # [BLOCK], zero on tokens that do not count
+    loss, pg, approx_kl, clip_low_n, clip_high_n, dual_n, kl, ent = _fwd_block(
+        LOGP, OLD, SEG, LMASK, ADV, CNT, REF, ENT, W, PHI, pid, N, inv_denom, clip_low, clip_high, dual_clip,
+        kl_clamp, beta, eta, HAS_LMASK, ADV_PER_TOKEN, SEG_COUNT, HAS_REF, HAS_ENT, HAS_W, HAS_PHI, HAS_DUAL,
+        STREAM, BLOCK)
+    if PERSISTENT:
+        # One program per resident slot walks blocks pid, pid + P, ... in a fixed order (the grid never exceeds
+        # the blocks): a P-row partial buffer (P ~ SMs x blocks per SM) and no tail wave. Deterministic.
+        for blk in range(pid + tl.num_programs(0), tl.cdiv(N, BLOCK), tl.num_programs(0)):
+            b_loss, b_pg, b_akl, b_low, b_high, b_dual, b_kl, b_ent = _fwd_block(
+                LOGP, OLD, SEG, LMASK, ADV, CNT, REF, ENT, W, PHI, blk, N, inv_denom, clip_low, clip_high,
+                dual_clip, kl_clamp, beta, eta, HAS_LMASK, ADV_PER_TOKEN, SEG_COUNT, HAS_REF, HAS_ENT, HAS_W,
+                HAS_PHI, HAS_DUAL, STREAM, BLOCK)
+            loss += b_loss
+            pg += b_pg
+            approx_kl += b_akl
+            clip_low_n += b_low
+            clip_high_n += b_high
+            dual_n += b_dual
+            kl += b_kl
+            ent += b_ent
     out = PART + pid * NUM_SLOTS
-    tl.store(out + 0, tl.sum(scale * (pg + beta * kl - eta * ent), 0))
-    tl.store(out + 1, tl.sum(scale * pg, 0))
-    tl.store(out + 2, tl.sum(tl.where(counted, old - logp, 0.0), 0))
-    tl.store(out + 3, tl.sum((counted & is_clipped & (adv < 0)).to(tl.float32), 0))
-    tl.store(out + 4, tl.sum((counted & is_clipped & (adv > 0)).to(tl.float32), 0))
-    tl.store(out + 5, tl.sum(tl.where(counted, dual, 0.0), 0))
-    tl.store(out + 6, tl.sum(tl.where(counted, kl, 0.0), 0))
-    tl.store(out + 7, tl.sum(ent, 0))
+    tl.store(out + 0, loss)
+    tl.store(out + 1, pg)
+    tl.store(out + 2, approx_kl)
+    tl.store(out + 3, clip_low_n)
+    tl.store(out + 4, clip_high_n)
+    tl.store(out + 5, dual_n)
+    tl.store(out + 6, kl)
+    tl.store(out + 7, ent)
+
+
+@triton.jit
+def _bwd_block(DLOSS, LOGP, OLD, SEG, LMASK, ADV, CNT, REF, W, PHI, DLOGP, DENT, blk, N, inv_denom, grad_scale,
+               clip_low, clip_high, dual_clip, kl_clamp, beta, eta,
+               HAS_LMASK: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, SEG_COUNT: tl.constexpr,
+               HAS_REF: tl.constexpr, HAS_DENT: tl.constexpr, HAS_W: tl.constexpr, HAS_PHI: tl.constexpr,
+               HAS_DUAL: tl.constexpr, STREAM: tl.constexpr, BLOCK: tl.constexpr):
+    """DLOGP (and DENT) of block ``blk``; clip branches are recomputed from the inputs, not stored."""
+    offs = blk * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    counted, logp, old, adv, coef = _load_token(LOGP, OLD, SEG, LMASK, ADV, CNT, offs, N, inv_denom,
+                                                HAS_LMASK, ADV_PER_TOKEN, SEG_COUNT, STREAM)
+    pg, dpg, is_clipped, dual, kl, dkl = _surrogate_terms(logp, old, adv, REF, offs, N, counted, clip_low,
+                                                             clip_high, dual_clip, kl_clamp, HAS_REF, HAS_DUAL,
+                                                             STREAM)
+    w = _token_weight(W, PHI, offs, N, counted, logp, HAS_W, HAS_PHI, STREAM)
+    g = tl.load(DLOSS).to(tl.float32) * grad_scale
+    scale = g * coef * w  # [BLOCK]
+    inb = offs < N
+    tl.store(DLOGP + offs, (scale * (dpg + beta * dkl)).to(DLOGP.dtype.element_ty), mask=inb)
+    if HAS_DENT:
+        tl.store(DENT + offs, (-eta * scale).to(DENT.dtype.element_ty), mask=inb)
 
 
 @triton.jit
@@ -147,20 +215,18 @@ def _bwd_kernel(DLOSS, LOGP, OLD, SEG, LMASK, ADV, CNT, REF, W, PHI, DLOGP, DENT
                 clip_low, clip_high, dual_clip, kl_clamp, beta, eta,
                 HAS_LMASK: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, SEG_COUNT: tl.constexpr,
                 HAS_REF: tl.constexpr, HAS_DENT: tl.constexpr, HAS_W: tl.constexpr, HAS_PHI: tl.constexpr,
-                HAS_DUAL: tl.constexpr, BLOCK: tl.constexpr):
-    """DLOGP (and DENT) of one block; clip branches are recomputed from the inputs, not stored."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    counted, logp, old, adv, coef = _load_token(LOGP, OLD, SEG, LMASK, ADV, CNT, offs, N, inv_denom,
-                                                HAS_LMASK, ADV_PER_TOKEN, SEG_COUNT)
-    pg, dpg, is_clipped, dual, kl, dkl = _surrogate_terms(logp, old, adv, REF, offs, counted, clip_low,
-                                                             clip_high, dual_clip, kl_clamp, HAS_REF, HAS_DUAL)
-    w = _token_weight(W, PHI, offs, counted, logp, HAS_W, HAS_PHI)
-    g = tl.load(DLOSS).to(tl.float32) * grad_scale
-    scale = g * coef * w  # [BLOCK]
-    inb = offs < N
-    tl.store(DLOGP + offs, (scale * (dpg + beta * dkl)).to(DLOGP.dtype.element_ty), mask=inb)
-    if HAS_DENT:
-        tl.store(DENT + offs, (-eta * scale).to(DENT.dtype.element_ty), mask=inb)
+                HAS_DUAL: tl.constexpr, BLOCK: tl.constexpr, STREAM: tl.constexpr, PERSISTENT: tl.constexpr):
+    """DLOGP (and DENT) of block pid, or (PERSISTENT) of blocks pid, pid + P, ..."""
+    pid = tl.program_id(0).to(tl.int64)
+    if PERSISTENT:
+        for blk in range(pid, tl.cdiv(N, BLOCK), tl.num_programs(0)):
+            _bwd_block(DLOSS, LOGP, OLD, SEG, LMASK, ADV, CNT, REF, W, PHI, DLOGP, DENT, blk, N, inv_denom,
+                       grad_scale, clip_low, clip_high, dual_clip, kl_clamp, beta, eta, HAS_LMASK, ADV_PER_TOKEN,
+                       SEG_COUNT, HAS_REF, HAS_DENT, HAS_W, HAS_PHI, HAS_DUAL, STREAM, BLOCK)
+    else:
+        _bwd_block(DLOSS, LOGP, OLD, SEG, LMASK, ADV, CNT, REF, W, PHI, DLOGP, DENT, pid, N, inv_denom,
+                   grad_scale, clip_low, clip_high, dual_clip, kl_clamp, beta, eta, HAS_LMASK, ADV_PER_TOKEN,
+                   SEG_COUNT, HAS_REF, HAS_DENT, HAS_W, HAS_PHI, HAS_DUAL, STREAM, BLOCK)
 
 
 @triton.jit
@@ -195,18 +261,7 @@ class SurrogateParams:
     dp_size: float
     adv_per_token: bool  # adv is [N] per token rather than [S] per turn
     block: int
-
-
-def gpu_block(n: int) -> int:
-    """Tokens per program on a GPU (8 warps: 8 tokens a thread), whether or not Triton is interpreted."""
-    return 2048
-
-
-def default_block(n: int) -> int:
-    """Tokens per program: :func:`gpu_block` on a GPU; on the interpreter few, large programs (it pays per program)."""
-    if interpreted():
-        return max(128, min(4096, triton.next_power_of_2(max(n, 1))))
-    return gpu_block(n)
+    launch: Optional[SurrogateLaunch] = None  # None: SurrogateLaunch() (the "masked" kernels, 8 warps)
 
 
 def turn_counts(seg_id_N: torch.Tensor, loss_mask_N: Optional[torch.Tensor], S: int, block: int) -> torch.Tensor:
@@ -236,7 +291,9 @@ def segment_counts(seg_id_N, seg_traj_S, loss_mask_N, counts, mode: str, block: 
 
 
 def _flags(opt: dict, p: SurrogateParams) -> dict:
-    return dict(HAS_LMASK=opt["loss_mask"] is not None, ADV_PER_TOKEN=p.adv_per_token,
+    launch = p.launch or SurrogateLaunch()
+    return dict(STREAM=launch.variant != "masked", PERSISTENT=launch.variant == "persistent",
+                num_warps=launch.num_warps, HAS_LMASK=opt["loss_mask"] is not None, ADV_PER_TOKEN=p.adv_per_token,
                 SEG_COUNT=opt["cnt_S"] is not None, HAS_REF=opt["ref"] is not None,
                 HAS_W=opt["weight"] is not None, HAS_PHI=opt["phi_mask"] is not None,
                 HAS_DUAL=p.dual_clip is not None)
@@ -246,24 +303,34 @@ def _scalars(p: SurrogateParams) -> tuple:
     return (p.clip_low, p.clip_high, 0.0 if p.dual_clip is None else p.dual_clip, p.kl_clamp, p.beta, p.eta)
 
 
+def _programs(N: int, p: SurrogateParams, device) -> int:
+    """Grid of the forward and backward kernels: a program per block, or (persistent) at most the resident ones."""
+    blocks = triton.cdiv(N, p.block)
+    launch = p.launch or SurrogateLaunch()
+    return min(blocks, resident_programs(device, launch.programs_per_sm)) if launch.variant == "persistent" \
+        else blocks
+
+
 def turn_surrogate_fwd(logp_N, old_logp_N, seg_id_N, adv, opt: dict, p: SurrogateParams):
     """``(loss, metrics_M)``: the scalar loss (times dp_size) and the K - 1 metric slots, float32."""
     N = logp_N.numel()
-    P = triton.cdiv(N, p.block)
+    P = _programs(N, p, logp_N.device)
     dev = logp_N.device
     part_PK = torch.empty((max(P, 1), NUM_SLOTS), dtype=torch.float32, device=dev)
     if P:
         _fwd_kernel[(P,)](
             logp_N, old_logp_N, seg_id_N, opt["loss_mask"], adv, opt["cnt_S"], opt["ref"], opt["entropy"],
             opt["weight"], opt["phi_mask"], part_PK, N, p.inv_denom, *_scalars(p),
-            HAS_ENT=opt["entropy"] is not None, NUM_SLOTS=NUM_SLOTS, BLOCK=p.block, num_warps=8, **_flags(opt, p))
+            HAS_ENT=opt["entropy"] is not None, NUM_SLOTS=NUM_SLOTS, BLOCK=p.block, **_flags(opt, p))
     # The scalars leave in fp32 whatever the input dtype: rounding a sum of millions of terms
     # to bf16 would add up to half a bf16 ulp to the loss and to every logged metric.
     loss = torch.empty((), dtype=torch.float32, device=dev)
     metrics_M = torch.empty(NUM_SLOTS - 1, dtype=torch.float32, device=dev)
     # One program sums the per-block partials in a fixed order: deterministic, no float atomics.
+    # The new variants' finish reads all its rows in one step (persistent: a row per program).
+    block_p = 256 if (p.launch or SurrogateLaunch()).variant == "masked" else min(1024, triton.next_power_of_2(P))
     _finish_kernel[(1,)](part_PK, P, loss, metrics_M, p.dp_size, 1.0 / max(p.tokens, 1.0), PG_SLOT=PG,
-                         NUM_SLOTS=NUM_SLOTS, BLOCK_P=256, num_warps=4)
+                         NUM_SLOTS=NUM_SLOTS, BLOCK_P=block_p, num_warps=4)
     return loss, metrics_M
 
 
@@ -273,10 +340,10 @@ def turn_surrogate_bwd(dloss, logp_N, old_logp_N, seg_id_N, adv, opt: dict, p: S
     dlogp_N = torch.empty_like(logp_N)
     dent_N = torch.empty_like(opt["entropy"]) if need_dent else None
     if N:
-        _bwd_kernel[(triton.cdiv(N, p.block),)](
+        _bwd_kernel[(_programs(N, p, logp_N.device),)](
             dloss, logp_N, old_logp_N, seg_id_N, opt["loss_mask"], adv, opt["cnt_S"], opt["ref"],
             opt["weight"], opt["phi_mask"], dlogp_N, dent_N, N, p.inv_denom, p.dp_size, *_scalars(p),
-            HAS_DENT=need_dent, BLOCK=p.block, num_warps=8, **_flags(opt, p))
+            HAS_DENT=need_dent, BLOCK=p.block, **_flags(opt, p))
     return dlogp_N, dent_N
 
 
@@ -338,11 +405,13 @@ def turn_surrogate_loss(logp_N: torch.Tensor, old_logp_N: torch.Tensor, seg_id_N
                         adv_N: Optional[torch.Tensor] = None, ref_logp_N: Optional[torch.Tensor] = None,
                         entropy_N: Optional[torch.Tensor] = None, weight_N: Optional[torch.Tensor] = None,
                         phi_mask_N: Optional[torch.Tensor] = None, loss_mask_N: Optional[torch.Tensor] = None,
-                        dp_size: int = 1, block: Optional[int] = None) -> tuple[torch.Tensor, dict]:
+                        dp_size: int = 1, block: Optional[int] = None,
+                        launch: Optional[SurrogateLaunch] = None) -> tuple[torch.Tensor, dict]:
     """The fused policy loss: same inputs and outputs as ``fastcredit.trainer.loss.policy_loss_torch``.
 
     ``logp_N`` [N] and ``entropy_N`` [N] get gradients; ``counts`` (tokens, seqs, turns)
-    are the global denominators of the step; ``block`` overrides the tokens per program.
+    are the global denominators of the step; ``block`` overrides the tokens per program and ``launch`` the
+    kernel variant and warps (:class:`SurrogateLaunch`).
     """
     _check_inputs(cfg, adv_S, adv_N, ref_logp_N, entropy_N,
                   {"old_logp_N": old_logp_N, "ref_logp_N": ref_logp_N, "adv_S": adv_S, "adv_N": adv_N,
@@ -358,7 +427,7 @@ def turn_surrogate_loss(logp_N: torch.Tensor, old_logp_N: torch.Tensor, seg_id_N
     p = SurrogateParams(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
                         kl_clamp=cfg.kl_clamp, beta=float(cfg.kl_coef), eta=float(cfg.entropy_coef),
                         inv_denom=inv_denom, tokens=float(counts.tokens), dp_size=float(dp_size),
-                        adv_per_token=adv_N is not None, block=block)
+                        adv_per_token=adv_N is not None, block=block, launch=launch)
     adv = _as_flat(adv_N if adv_N is not None else adv_S)
     loss, metrics_M = TurnSurrogateFunction.apply(
         logp_N.reshape(-1).contiguous(), _as_flat(entropy_N), _as_flat(old_logp_N), seg_id_N, adv,

@@ -34,11 +34,19 @@ def preflight(tmp_path_factory):
     return proc.returncode, proc.stdout + proc.stderr, [r for r in rows if "kernel" in r], md
 
 
+def is_variant(row: dict) -> bool:
+    """A row of issue 46's candidate variants (``variant_cases``) rather than of the default kernels."""
+    words = row["variant"].split()
+    return len(words) > 2
+
+
 @pytest.mark.slow
 def test_every_kernel_compiles_for_sm90_within_limits(preflight):
     code, output, rows, md = preflight
     assert code == 0, output[-5000:]
     assert "[preflight] passed: sm_90" in output
+    md_rows = md.count("| sm_90 |")
+    variants, rows = [r for r in rows if is_variant(r)], [r for r in rows if not is_variant(r)]
     kernels = {(r["op"], r["kernel"], r["dtype"], r["seg_dtype"]) for r in rows}
     assert kernels == {("linear_logprob", k, d, None) for k in ("_fwd_kernel", "_combine_kernel", "_dlogits_kernel")
                        for d in DTYPES} | {("turn_surrogate", k, "fp32", s) for s in ("int32", "int64") for k in (
@@ -51,13 +59,23 @@ def test_every_kernel_compiles_for_sm90_within_limits(preflight):
             assert r["spill_store_bytes"] == r["spill_load_bytes"] == 0, r
         if r["kernel"] in ("_fwd_kernel", "_dlogits_kernel") and r["op"] == "linear_logprob":
             assert r["tensor_cores"] == "wgmma", r  # bf16 on tensor cores; fp32 as 3xTF32
-    assert md.count("| sm_90 |") == len({r["hash"] for r in rows})
+    assert md_rows == len({r["hash"] for r in rows + variants})
+    # Every candidate variant compiles too, without spills, the log-prob's on the tensor cores.
+    assert {r["variant"].split(maxsplit=2)[-1] for r in variants if r["op"] == "linear_logprob"} == {
+        "tma", "persistent", "tma+persistent", "warp_specialize", "fused", "fused_skip"}
+    assert {r["kernel"] for r in variants if r["variant"].endswith("fused")} == {
+        "_fwd_kernel", "_combine_kernel", "_fused_bwd_kernel"}
+    for r in variants:
+        assert r["status"] == "ok" and r["spill_store_bytes"] == 0, r
+        if r["kernel"] in ("_fwd_kernel", "_dlogits_kernel", "_fused_bwd_kernel") and r["op"] == "linear_logprob":
+            assert r["tensor_cores"] == "wgmma", r
 
 
 @pytest.mark.slow
 def test_the_preflight_compiles_the_host_codes_own_choices(preflight):
     """Tiles, warps, stages and register cap are what the host code picks for an H100, not a copy of them."""
     _, _, rows, _ = preflight
+    rows = [r for r in rows if not is_variant(r)]
     hidden = {f"{model}-N8k": h for model, h in QWEN_HIDDEN.items()}
     for r in rows:
         if r["op"] == "linear_logprob" and r["kernel"] != "_combine_kernel":
