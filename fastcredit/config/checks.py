@@ -2,6 +2,7 @@
 
     check_config(cfg, origins)           # ranges and the rules between keys; from load_config
     check_paths(cfg, "model")            # the local folders a part of the config names exist; before loading
+    raise_broken([betas_rule(cfg.optim), shard_size_rule(cfg.distributed)])   # rules another tree shares
 
 Each number's range is declared beside its field (``fastcredit.config.ranges``). What the chosen
 estimator needs (a judge, a PRM, ProCeed rollouts) is checked by ``fastcredit.credit.needs``: this
@@ -11,34 +12,59 @@ from __future__ import annotations
 
 import os
 import shlex
-from typing import Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
 from fastcredit.config.errors import ConfigError, ConfigPathError
 from fastcredit.config.ranges import check_ranges
 from fastcredit.config.toy import check_toy_world
 
-__all__ = ["ConfigError", "ConfigPathError", "check_config", "check_index", "check_paths", "check_rules"]
+__all__ = ["ConfigError", "ConfigPathError", "Rule", "betas_rule", "check_config", "check_index", "check_paths",
+           "check_rules", "raise_broken", "shard_size_rule", "tiny_heads_rule"]
+
+Rule = tuple[bool, str]  # (holds, the message when it does not)
+
+
+def betas_rule(o) -> Rule:
+    """``optim.betas`` holds two numbers (``o``: an optim section; each one's range is declared with the field)."""
+    return len(o.betas) == 2, f"optim.betas must be two numbers in [0, 1), got {o.betas!r}"
+
+
+def tiny_heads_rule(m, tiny: bool) -> Rule:
+    """A 'tiny' model's width splits evenly over its heads (``m``: a model section; ``tiny``: the run builds one)."""
+    return (not tiny or m.tiny_hidden % m.tiny_heads == 0,
+            f"model.tiny_hidden={m.tiny_hidden} must be a multiple of model.tiny_heads={m.tiny_heads}")
+
+
+def shard_size_rule(d) -> Rule:
+    """``distributed.shard_size`` is FSDP2's (``d``: the distributed section)."""
+    return (d.engine == "fsdp2" or d.shard_size == -1,
+            f"distributed.shard_size={d.shard_size} applies to distributed.engine=fsdp2 only (DeepSpeed ZeRO shards "
+            "over all ranks); leave it at -1")
+
+
+def raise_broken(rules: Iterable[Rule]) -> None:
+    """A ConfigError with the message of the first rule that does not hold."""
+    for ok, message in rules:
+        if not ok:
+            raise ConfigError(message)
 
 
 def check_rules(cfg) -> None:
     """The rules between keys that no single range expresses."""
     o, d, r, m = cfg.optim, cfg.data, cfg.retrieval, cfg.model
-    checks = [
+    raise_broken([
         (o.batch_prompts % o.mini_batch_prompts == 0,
          f"optim.batch_prompts={o.batch_prompts} must be a multiple of "
          f"optim.mini_batch_prompts={o.mini_batch_prompts}"),
-        (len(o.betas) == 2, f"optim.betas must be two numbers in [0, 1), got {o.betas!r}"),
+        betas_rule(o),
         (d.source == "toy" or d.train_path, f"data.train_path is required for data.source={d.source}"),
         (d.source == "toy" or cfg.warmstart.detour_fraction == 0,
          f"warmstart.detour_fraction={cfg.warmstart.detour_fraction} needs data.source=toy (detours search the toy "
          f"world's twins and relations), got data.source={d.source}"),
-        (m.policy != "tiny" or m.tiny_hidden % m.tiny_heads == 0,
-         f"model.tiny_hidden={m.tiny_hidden} must be a multiple of model.tiny_heads={m.tiny_heads}"),
+        tiny_heads_rule(m, m.policy == "tiny"),
         (m.policy != "tiny" or m.tiny_heads % (m.tiny_kv_heads or m.tiny_heads) == 0,
          f"model.tiny_heads={m.tiny_heads} must be a multiple of model.tiny_kv_heads={m.tiny_kv_heads}"),
-        (cfg.distributed.engine == "fsdp2" or cfg.distributed.shard_size == -1,
-         f"distributed.shard_size={cfg.distributed.shard_size} applies to distributed.engine=fsdp2 only "
-         "(DeepSpeed ZeRO shards over all ranks); leave it at -1"),
+        shard_size_rule(cfg.distributed),
         (cfg.rollout.tensor_parallel == 1,
          f"rollout.tensor_parallel={cfg.rollout.tensor_parallel}: each rank's rollout engine runs in the trainer's "
          "process on that rank's GPU (the hf engine has no tensor parallelism; vLLM would run tensor-parallel "
@@ -61,10 +87,7 @@ def check_rules(cfg) -> None:
         (cfg.distributed.placement == "colocated" or cfg.distributed.shard_size == -1,
          f"distributed.shard_size={cfg.distributed.shard_size}: a split placement shards over its training ranks "
          "only (a 1-D mesh); leave it at -1"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
+    ])
     if r.backend == "local" and r.index is None:
         check_index(r)  # build_index=never without an index
     if d.source == "toy":

@@ -20,20 +20,21 @@ from fastcredit.config.toy import ToyWorldConfig
 class ModelConfig:
     policy: str = opt("tiny", "policy weights: a local HF folder, 'smollm2' (the packaged SmolLM2-135M) or 'tiny' (a "
                               "random tiny Qwen2 built in code)")
-    tokenizer: Optional[str] = opt(None, "tokenizer folder; defaults to the policy's ('tiny' builds a byte-level "
-                                         "BPE over the toy corpus)")
+    tokenizer: Optional[str] = opt(None, "tokenizer folder; null: the model's own ('tiny' trains a byte-level BPE "
+                                         "over the run's texts: the toy corpus, or a PRM's training trajectories)")
     value: Optional[str] = opt(None, "value-model initialisation for ppo / pica; defaults to the policy's weights "
                                      "with a fresh scalar head")
     dtype: Literal["float32", "bfloat16", "float16"] = opt(
-        "bfloat16", "compute dtype on GPU and the rollout engine's weight dtype; trained weights are held in float32 "
-                    "(master weights) everywhere, and the CPU computes in float32")
+        "bfloat16", "compute dtype on a GPU under distributed.mixed_precision (and the rollout engine's weight "
+                    "dtype); trained weights are held in float32 (master weights) everywhere, and the CPU computes in "
+                    "float32")
     chat_template: bool = opt(False, "wrap prompts with the tokenizer's chat template (instruct models)")
     attn_impl: Literal["sdpa", "eager", "flash_attention_2"] = opt(
         "sdpa", "attention implementation passed to transformers")
-    tiny_hidden: int = opt(128, "hidden size of the 'tiny' policy", range=COUNT)
-    tiny_layers: int = opt(2, "decoder layers of the 'tiny' policy", range=COUNT)
-    tiny_heads: int = opt(4, "attention heads of the 'tiny' policy", range=COUNT)
-    tiny_vocab: int = opt(2000, "vocabulary size of the 'tiny' policy's BPE tokenizer",
+    tiny_hidden: int = opt(128, "hidden size of the 'tiny' model", range=COUNT)
+    tiny_layers: int = opt(2, "decoder layers of the 'tiny' model", range=COUNT)
+    tiny_heads: int = opt(4, "attention heads of the 'tiny' model", range=COUNT)
+    tiny_vocab: int = opt(2000, "vocabulary size of the 'tiny' model's BPE tokenizer",
                           range="[300, inf)", note="256 bytes and the agent tags")
     tiny_intermediate: int = opt(0, "MLP width of the 'tiny' policy (0: 2 x tiny_hidden)",
                                  range=NONNEG, note="0: 2 x tiny_hidden")
@@ -49,8 +50,12 @@ class ModelConfig:
 class DataConfig:
     source: Literal["toy", "searchr1", "flashrag"] = opt(
         "toy", "dataset format: the generated toy world, Search-R1 parquet, or FlashRAG jsonl")
-    train_path: Optional[str] = opt(None, "training QA file (parquet / jsonl); unused for source=toy")
-    test_path: Optional[str] = opt(None, "evaluation QA file; unused for source=toy")
+    train_path: Optional[str] = opt(None, "training file: QA pairs (parquet / jsonl; unused for data.source=toy), or "
+                                          "a PRM's labelled trajectories (parquet; python -m fastcredit.prm.label "
+                                          "writes them)")
+    test_path: Optional[str] = opt(None, "evaluation file: QA pairs (unused for data.source=toy), or a PRM's "
+                                         "held-out labelled trajectories (null: data.test_fraction of the training "
+                                         "file's questions are held out)")
     world_dir: str = opt("runs/toyworld", "where the toy world's files are written and read")
     toy: ToyWorldConfig = opt(ToyWorldConfig, "toy-world generator settings")
     prompt_template: Literal["searchr1"] = opt("searchr1", "training prompt (Search-R1 / CriticSearch Prompt 1)")
@@ -170,12 +175,13 @@ class JudgesConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = opt(1e-6, "policy learning rate (0: the policy stays as it started, every step doing the same work: "
-                          "bench/bench_step.py's equal-work timing)", range=NONNEG, note="0: frozen")
+    lr: float = opt(1e-6, "learning rate of the model trained (the policy, or a PRM), the schedule's peak (0: it "
+                          "stays as it started, every step doing the same work: bench/bench_step.py's equal-work "
+                          "timing)", range=NONNEG, note="0: frozen")
     critic_lr: float = opt(1e-5, "value-model learning rate (ppo, pica; 0: frozen)", range=NONNEG, note="0: frozen")
     weight_decay: float = opt(0.01, "AdamW weight decay", range=NONNEG)
     betas: list[float] = opt([0.9, 0.999], "AdamW betas", range="[0, 1)", note="each of the two")
-    warmup_ratio: float = opt(0.0, "linear warm-up over this fraction of the steps", range="[0, 1)")
+    warmup_ratio: float = opt(0.0, "linear warm-up over this fraction of the optimizer steps", range="[0, 1)")
     critic_warmup_ratio: Optional[float] = opt(None, "the value model's warm-up fraction (ppo, pica; Search-R1: "
                                                      "critic.optim.lr_warmup_steps_ratio); null: optim.warmup_ratio",
                                                range="[0, 1)", note="or null: optim.warmup_ratio")
@@ -185,7 +191,7 @@ class OptimConfig:
     total_steps: int = opt(1000, "training steps", range=NONNEG)
     batch_prompts: int = opt(512, "prompts per step (each sampled n_samples times)", range=COUNT)
     mini_batch_prompts: int = opt(256, "prompts per optimizer step (PPO mini-batch)", range=COUNT)
-    micro_batch_tokens: int = opt(16384, "tokens per forward/backward micro-batch (packed)", range=COUNT)
+    micro_batch_tokens: int = opt(16384, "tokens per packed forward / backward micro-batch on a rank", range=COUNT)
     ppo_epochs: int = opt(1, "passes over each step's data", range=COUNT)
 
 
@@ -273,8 +279,9 @@ class WarmStartConfig:
 class EvalConfig:
     questions: int = opt(100, "held-out questions scored with greedy rollouts (0: no evaluation)",
                          range=NONNEG, note="0: no evaluation")
-    every: int = opt(0, "steps between evaluations (0: only before and after training)",
-                     range=NONNEG, note="0: only before and after training")
+    every: int = opt(0, "steps between evaluations (0: none during training; the policy trainer also "
+                        "evaluates before and after training, a PRM's after)",
+                     range=NONNEG, note="0: none during training")
     seed: Optional[int] = opt(None, "seed that picks the held-out questions (null: the run seed); runs that differ "
                                     "only in their run seed score the same questions when this is set", range=SEED)
 
@@ -298,7 +305,8 @@ class GuardConfig:
 
 @dataclass
 class TrainConfig:
-    seed: int = opt(0, "global seed", range=SEED)
+    seed: int = opt(0, "global seed: a 'tiny' model's initialisation, the data order, sampling, held-out picks",
+                    range=SEED)
     run_name: str = opt("fastcredit", "name shown in logs")
     model: ModelConfig = opt(ModelConfig, "policy, tokenizer and value model")
     data: DataConfig = opt(DataConfig, "datasets and prompts")

@@ -53,8 +53,9 @@ from aiohttp import web
 
 from fastcredit.runtime.batching import MicroBatcher, isolate_failures
 from fastcredit.config.help import argparser
-from fastcredit.retrieval.httpserver import (TIMEOUTS, RequestError, ServerThread, Timeouts, check_positive, json_error,
-                                             json_errors, read_body, serve_forever, submit_batch, text_list)
+from fastcredit.retrieval.httpserver import (TIMEOUTS, RequestError, ServerThread, Timeouts, add_address_flags,
+                                             add_limit_flags, check_positive, json_error, json_errors, read_body,
+                                             run_server, serve_forever, submit_batch, text_list)
 
 log = logging.getLogger(__name__)
 
@@ -200,8 +201,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparser("python -m fastcredit.prm.serve", __doc__)
     p.add_argument("--model", "--reward_pretrain", dest="model", required=True,
                    help="PRM folder (python -m fastcredit.prm.train exports one)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes the server to the network)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port")
+    add_address_flags(p, port=DEFAULT_PORT)
     p.add_argument("--special-token", "--special_token", dest="special_token", default=None,
                    help="the string whose every occurrence in a text is a scoring position (default: the PRM's "
                         "placeholder from prm.json; PiCA's client writes <|vision_start|>)")
@@ -214,30 +214,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (auto: cuda when there is one)")
     p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, default=d.batch_size,
                    help="texts per batch across requests (split into --batch-tokens forward passes)")
-    for name, what in (("max_queries", "texts per request"), ("max_query_chars", "characters per text (more: 413)"),
-                       ("max_body_bytes", "bytes per request body"),
-                       ("max_queue", "texts waiting across requests (more: 503)")):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), help=what)
-    for name, what in (("timeout_s", "per-request limit, from a whole body to its answer (past it: 504)"),
-                       ("batch_timeout_ms", "how long a batch waits for more texts before it runs")):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name), help=what)
+    add_limit_flags(p, d, {
+        "max_queries": "texts per request", "max_query_chars": "characters per text (more: 413)",
+        "max_body_bytes": "bytes per request body", "max_queue": "texts waiting across requests (more: 503)",
+        "timeout_s": "per-request limit, from a whole body to its answer (past it: 504)",
+        "batch_timeout_ms": "how long a batch waits for more texts before it runs"})
     return p
 
 
-def main(argv: Optional[list] = None) -> int:
-    p = _parser()
-    a = p.parse_args(argv)
+def open_app(a: argparse.Namespace, limits: RewardServerLimits,
+             p: argparse.ArgumentParser) -> tuple[web.Application, str]:
+    """``(app, what it serves)`` for the command line ``a``: the PRM folder it names, behind ``limits``."""
     if a.max_len is not None and a.max_len < 1 or a.batch_tokens < 1:
         p.error(f"--max-len ({a.max_len}) and --batch-tokens ({a.batch_tokens}) must be at least 1")
     if a.special_token == "":
         p.error("--special-token must not be empty")
-    try:
-        limits = RewardServerLimits(**{k: getattr(a, k) for k in ("max_queries", "max_query_chars", "max_body_bytes",
-                                                                  "max_queue", "timeout_s", "batch_size",
-                                                                  "batch_timeout_ms")})
-    except ValueError as exc:
-        p.error(str(exc))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     log.info("loading the PRM %s on %s", a.model, device)
     try:
@@ -245,10 +236,11 @@ def main(argv: Optional[list] = None) -> int:
     except ValueError as exc:
         p.error(str(exc))
     special = a.special_token or info["placeholder"]
-    log.info("serving %s (%s at every %r, up to %d tokens per text) on http://%s:%d%s", a.model, a.output, special,
-             info["max_len"], a.host, a.port, PATH)
-    serve_forever(app, a.host, a.port)
-    return 0
+    return app, f"{a.model} ({a.output} at every {special!r}, up to {info['max_len']} tokens per text)"
+
+
+def main(argv: Optional[list] = None) -> int:
+    return run_server(_parser(), RewardServerLimits, open_app, argv, path=PATH, log=log, serve=serve_forever)
 
 
 if __name__ == "__main__":

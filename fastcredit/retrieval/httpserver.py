@@ -2,10 +2,11 @@
 ``fastcredit.prm.serve``): aiohttp with read and idle timeouts, JSON error bodies for requests
 aiohttp itself refuses, request-body and JSON helpers that turn bad input into a
 :class:`RequestError` (a 4xx for that request alone), and the ways to run an app (a thread,
-or the foreground process).
+or the foreground process, as both servers' ``main``: :func:`run_server`).
 
     with ServerThread(make_app(...)) as url: ...          # tests, benchmarks, inside a trainer
-    serve_forever(make_app(...), "127.0.0.1", 8000)      # python -m fastcredit.retrieval.serve
+    serve_forever(make_app(...), "127.0.0.1", 8000)      # the foreground, until SIGINT / SIGTERM
+    return run_server(parser, ServerLimits, open_app, argv, path="/retrieve", log=log)   # a server's main
 
 Connection timeouts (:class:`Timeouts`): a request head (request line and headers) must
 arrive within ``header_s`` of its first byte, else the server answers 408 and closes; an
@@ -15,13 +16,15 @@ idle connection (before its first request or between requests) is closed after
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import threading
 from http import HTTPStatus
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -83,8 +86,6 @@ def load_json(body: bytes):
 
 def check_positive(limits) -> None:
     """Every field of a limits dataclass a positive number (ValueError naming the others)."""
-    import dataclasses
-
     bad = [f"{f.name}={getattr(limits, f.name)!r}" for f in dataclasses.fields(limits)
            if not isinstance(getattr(limits, f.name), (int, float)) or not getattr(limits, f.name) > 0]
     if bad:
@@ -339,3 +340,37 @@ def serve_forever(app: web.Application, host: str, port: int) -> None:
         asyncio.run(_serve(app, host, port))
     except (web.GracefulExit, KeyboardInterrupt):
         pass
+
+
+def add_address_flags(p: argparse.ArgumentParser, port: int) -> None:
+    """``--host`` (127.0.0.1 unless it says otherwise) and ``--port`` (default ``port``)."""
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes the server to the network)")
+    p.add_argument("--port", type=int, default=port, help="TCP port")
+
+
+def add_limit_flags(p: argparse.ArgumentParser, limits, flags: Mapping[str, str]) -> None:
+    """``--max-queries``-style flags, one per field of the limits dataclass ``limits`` named in ``flags`` (field →
+    help), typed and defaulted from ``limits``; :func:`run_server` builds the limits from them."""
+    for name, what in flags.items():
+        default = getattr(limits, name)
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=what)
+
+
+def run_server(parser: argparse.ArgumentParser, limits_type: type, open_app: Callable, argv: Optional[Sequence[str]],
+               *, path: str, log: logging.Logger, serve: Callable = serve_forever) -> int:
+    """A server command's ``main``: parse ``argv`` with ``parser`` (the server's own flags, plus those of
+    :func:`add_address_flags` and :func:`add_limit_flags`), build ``limits_type`` from every flag named after one
+    of its fields (a refused value is a usage error), then ``open_app(args, limits, parser)`` → ``(app, what)``
+    (its own checks end in ``parser.error``), log ``serving <what> on http://host:port<path>`` to ``log`` and
+    ``serve(app, host, port)`` in the foreground until SIGINT or SIGTERM. Returns 0."""
+    a = parser.parse_args(argv)
+    given = vars(a)
+    try:
+        limits = limits_type(**{f.name: given[f.name] for f in dataclasses.fields(limits_type) if f.name in given})
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app, what = open_app(a, limits, parser)
+    log.info("serving %s on http://%s:%d%s", what, a.host, a.port, path)
+    serve(app, a.host, a.port)
+    return 0

@@ -38,9 +38,9 @@ from aiohttp import web
 from fastcredit.runtime.batching import ItemFailed, MicroBatcher, isolate_failures
 from fastcredit.config.help import argparser
 from fastcredit.retrieval.cli import add_encoder_args
-from fastcredit.retrieval.httpserver import (TIMEOUTS, RequestError, ServerThread, Timeouts, check_positive, json_error,
-                                             json_errors, read_body, serve_forever, submit_batch, text_list,
-                                             value_type)
+from fastcredit.retrieval.httpserver import (TIMEOUTS, RequestError, ServerThread, Timeouts, add_address_flags,
+                                             add_limit_flags, check_positive, json_error, json_errors, read_body,
+                                             run_server, serve_forever, submit_batch, text_list, value_type)
 
 __all__ = ["ServerLimits", "RequestError", "parse_request", "retriever_batch_fn", "isolate_failures", "ItemFailed",
            "make_app", "ServerThread", "main"]
@@ -159,37 +159,28 @@ def _parser() -> argparse.ArgumentParser:
                    help="encoder tokens per query, prefix included; longer queries are truncated as Search-R1's "
                         "retriever does (default: --max-length, Search-R1's retrieval_query_max_length 256)")
     p.add_argument("--num-shards", type=int, default=0, help="GPUs to shard a flat index over (0: all)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes the server to the network)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port")
-    p.add_argument("--topk", type=int, default=d.default_topk, help="passages per query when a request sets none")
-    for name, what in (("max_topk", "largest topk a request may ask for"), ("max_queries", "queries per request"),
-                       ("max_query_chars", "characters per query (more: 413, before tokenizing)"),
-                       ("max_body_bytes", "bytes per request body"),
-                       ("max_queue", "queries waiting across requests (more: 503)"),
-                       ("batch_size", "queries per encoder + index call")):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), help=what)
-    for name, what in (("timeout_s", "per-request limit, from a whole body to its answer (past it: 504)"),
-                       ("batch_timeout_ms", "how long a batch waits for more queries before it runs"),
-                       ("header_timeout_s", "seconds from a request's first byte to the end of its headers "
-                                            "(past it: 408 and the connection is closed)"),
-                       ("body_timeout_s", "seconds to read a request body (past it: 408, connection closed)"),
-                       ("idle_timeout_s", "seconds an open connection may sit with no request (keep-alive)"),
-                       ("linger_s", "seconds the rest of a refused, unread body is drained before closing")):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name), help=what)
+    add_address_flags(p, port=8000)
+    p.add_argument("--topk", dest="default_topk", metavar="TOPK", type=int, default=d.default_topk,
+                   help="passages per query when a request sets none")
+    add_limit_flags(p, d, {
+        "max_topk": "largest topk a request may ask for", "max_queries": "queries per request",
+        "max_query_chars": "characters per query (more: 413, before tokenizing)",
+        "max_body_bytes": "bytes per request body", "max_queue": "queries waiting across requests (more: 503)",
+        "batch_size": "queries per encoder + index call",
+        "timeout_s": "per-request limit, from a whole body to its answer (past it: 504)",
+        "batch_timeout_ms": "how long a batch waits for more queries before it runs",
+        "header_timeout_s": "seconds from a request's first byte to the end of its headers "
+                            "(past it: 408 and the connection is closed)",
+        "body_timeout_s": "seconds to read a request body (past it: 408, connection closed)",
+        "idle_timeout_s": "seconds an open connection may sit with no request (keep-alive)",
+        "linger_s": "seconds the rest of a refused, unread body is drained before closing"})
     return p
 
 
-def main(argv: Optional[list] = None) -> int:
-    p = _parser()
-    a = p.parse_args(argv)
+def open_app(a: argparse.Namespace, limits: ServerLimits, p: argparse.ArgumentParser) -> tuple[web.Application, str]:
+    """``(app, what it serves)`` for the command line ``a``: the retriever it names, behind ``limits``."""
     if a.max_query_tokens is not None and a.max_query_tokens < 1:
         p.error(f"--max-query-tokens must be at least 1, got {a.max_query_tokens}")
-    try:
-        limits = ServerLimits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(ServerLimits)
-                                 if f.name != "default_topk"}, default_topk=a.topk)
-    except ValueError as exc:
-        p.error(str(exc))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from fastcredit.retrieval.retriever import open_retriever
 
     retriever = open_retriever(corpus=a.corpus, index=a.index, encoder=a.encoder, pooling=a.pooling,
@@ -202,10 +193,11 @@ def main(argv: Optional[list] = None) -> int:
     if a.max_query_tokens and model_max and a.max_query_tokens > model_max:
         p.error(f"--max-query-tokens {a.max_query_tokens} exceeds the encoder's {model_max} positions")
     info = {"num_passages": len(retriever.corpus), "max_query_tokens": enc.query_max_length or enc.max_length}
-    app = make_app(retriever_batch_fn(retriever), limits, info)
-    log.info("serving %d passages on http://%s:%d/retrieve", len(retriever.corpus), a.host, a.port)
-    serve_forever(app, a.host, a.port)
-    return 0
+    return make_app(retriever_batch_fn(retriever), limits, info), f"{len(retriever.corpus)} passages"
+
+
+def main(argv: Optional[list] = None) -> int:
+    return run_server(_parser(), ServerLimits, open_app, argv, path="/retrieve", log=log, serve=serve_forever)
 
 
 if __name__ == "__main__":
