@@ -92,13 +92,13 @@ bench: env
 # Everything GPU-side in one command, results in $(GPU_CHECK_OUT) (on a CPU: quick shapes, CUDA stages "not run").
 GPU_CHECK_OUT ?= bench/results/gpu_check_$(shell $(PY) bench/results_io.py --slug)
 gpu-check: env
-	PYTHON=$(PY) bash bench/gpu_check.sh $(GPU_CHECK_OUT)
+	PYTHON=$(PY) bash bench/gpu/gpu_check.sh $(GPU_CHECK_OUT)
 
 # The GPU path checked on a CPU (no GPU needed): kernels compiled for sm_80/90/100, fastcredit._C built against a
 # CUDA torch (its own venv, ~5.5 GB, made once) and imported the Makefile's way, NCCL's device rules, vLLM's device.
 GPU_PREFLIGHT_OUT ?= bench/results/gpu_preflight
 gpu-preflight: env
-	$(PY) bench/gpu_preflight.py $(GPU_PREFLIGHT_OUT)
+	$(PY) bench/gpu/gpu_preflight.py $(GPU_PREFLIGHT_OUT)
 
 clean-env:
 	rm -rf $(VENV)

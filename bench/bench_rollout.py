@@ -93,8 +93,10 @@ def main() -> None:
 def run(a) -> None:
     import torch
 
-    from fastcredit.trainer import parts as C
     from fastcredit.config import load_config
+    from fastcredit.data.build import load_data
+    from fastcredit.models.build import load_policy, run_tokenizer
+    from fastcredit.retrieval.searcher import make_searcher
     from fastcredit.data.prompts import prompt_ids
     from fastcredit.rollout.agent import AgentLimits, AgentLoop
     from fastcredit.rollout.engines import SamplingParams, make_engine
@@ -105,10 +107,10 @@ def run(a) -> None:
         "data.toy.max_hops=3", "rollout.max_turns=6", "rollout.max_action_tokens=96", f"rollout.engine={a.engine}"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.time()
-    data = C.load_data(cfg)
-    tok = C.load_tokenizer(cfg, data, work)
-    searcher, _ = C.make_searcher(cfg, tok, data.corpus, device=device)
-    lm = C.load_policy(cfg, tok)
+    data = load_data(cfg)
+    tok = run_tokenizer(cfg, data, work)
+    searcher, _ = make_searcher(cfg, tok, data.corpus, device=device)
+    lm = load_policy(cfg, tok)
     train = data.train[: a.sft_questions]
     tmpl = lambda exs: prompt_ids(tok, [ex.question for ex in exs], cfg.data.prompt_template,  # noqa: E731
                                   cfg.model.chat_template)

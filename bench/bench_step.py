@@ -148,6 +148,7 @@ def run_design(name: str, config: str, overrides: list[str], work: str, steps: i
     of the policy's weights before the first step and after the last."""
     from fastcredit.config import load_config
     from fastcredit.distributed.process_group import init_distributed
+    from fastcredit.trainer.checks import check_run
     from fastcredit.trainer.loop import Trainer
 
     out = os.path.join(work, name)
@@ -157,6 +158,7 @@ def run_design(name: str, config: str, overrides: list[str], work: str, steps: i
     print(f"[{name}] {warmup} warm-up + {steps} timed steps: rollout.mode={cfg.rollout.mode}, "
           f"stop_at_tags={cfg.rollout.stop_at_tags}, retrieval.backend={cfg.retrieval.backend}, "
           f"loss.impl={cfg.loss.impl}, optim.lr={cfg.optim.lr:g}", flush=True)
+    check_run(cfg)  # the training command's checks, before anything loads
     info = init_distributed(cfg.distributed.backend, cfg.distributed.shard_size)
     trainer = Trainer(cfg, info)
     start = weights_digest(trainer.parts.policy)

@@ -89,7 +89,7 @@ def load_smollm2(cache=os.path.expanduser("~/.cache/fastcredit/smollm2-135m-inst
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fastcredit.trainer.parts import smollm2_files
+    from fastcredit.models.smollm2 import smollm2_files
 
     if not os.path.isdir(cache):
         folder, gguf = smollm2_files()

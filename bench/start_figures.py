@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     from fastcredit.data.toyqa import new_hop_turns
     from fastcredit.distributed.process_group import init_distributed
     from fastcredit.rollout.agent import searcher_session
+    from fastcredit.trainer.checks import check_run
     from fastcredit.trainer.loop import Trainer
     from fastcredit.trainer.sampling import outcome_rewards, rollout
 
@@ -99,6 +100,11 @@ def main(argv=None) -> int:
         return 2
     if cfg.data.source != "toy":
         print(f"config error: {args.config}: the start figures need the toy world's gold hops", file=sys.stderr)
+        return 2
+    try:
+        check_run(cfg)  # the training command's checks, before anything loads
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
         return 2
     info = init_distributed()
     trainer = Trainer(cfg, info)

@@ -8,10 +8,10 @@ data source, in the papers' table layout.
     torchrun --nproc_per_node=8 -m fastcredit.eval --model runs/x --data data/nq_hotpotqa/test.parquet
 
 ``--model`` is a Hugging Face folder, or a run folder (its checkpoint is exported into
-``<run>/exports/step_N`` by :func:`fastcredit.export.export_once`, and exported again only when
+``<run>/exports/step_N`` by :func:`fastcredit.models.export.export_once`, and exported again only when
 that step's checkpoint was saved again since, as a collapse-guard rollback does; the run's
 ``config.yaml`` is the default config). Rollouts are greedy (temperature 0) through
-:func:`fastcredit.trainer.parts.agent_loop` with the config's turn and token limits and the
+:func:`fastcredit.rollout.build.agent_loop` with the config's turn and token limits and the
 config's retriever, on the vLLM engine where a GPU and vLLM are there, else the HF engine.
 
 Scores: EM exactly as Search-R1's ``verl/utils/reward_score/qa_em.py`` (lower case, ASCII
@@ -45,9 +45,12 @@ import os
 import sys
 from typing import Callable, Iterable, Optional
 
-from fastcredit.config import ConfigError, TrainConfig, load_config, parse_cli
+from fastcredit.config import ConfigError, TrainConfig
+from fastcredit.config.checks import check_paths
 from fastcredit.data.loaders import DataError, QAExample
 from fastcredit.distributed.process_group import DistInfo
+from fastcredit.models.export import model_config, resolve_model
+from fastcredit.rollout.build import agent_loop, engine_from_folder, open_policy
 from fastcredit.trainer.heldout import (RESULTS_JSON, RESULTS_MD, SEARCHR1_IN_DOMAIN, PredictionCache, atomic_json,
                                         evaluate_shard, format_markdown, sample_per_source, score_records,
                                         source_sums, summarize)
@@ -84,40 +87,6 @@ def _file_id(path: str) -> dict:
     return {"path": os.path.abspath(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _is_run(path: str) -> bool:
-    return os.path.isdir(os.path.join(path, "checkpoints")) and os.path.exists(os.path.join(path, "config.yaml"))
-
-
-def _run_step(run: str, step: Optional[int]) -> int:
-    from fastcredit.distributed.checkpoint import latest_checkpoint
-
-    if step is not None:
-        return step
-    path = latest_checkpoint(os.path.join(run, "checkpoints"))
-    if path is None:
-        raise ConfigError(f"{run}/checkpoints has no finished checkpoint to evaluate")
-    return int(os.path.basename(path).split("_")[-1])
-
-
-def resolve_model(model: str, step: Optional[int]) -> tuple[str, Optional[str], Optional[int]]:
-    """``(Hugging Face folder, run folder or None, step or None)``; a run's checkpoint is exported once."""
-    if not os.path.isdir(model):
-        raise ConfigError(f"--model {model}: no such folder (a Hugging Face model folder or a run folder)")
-    if not _is_run(model):
-        if step is not None:
-            raise ConfigError(f"--step applies to a run folder; {model} is not one (it has no checkpoints/)")
-        if not os.path.exists(os.path.join(model, "config.json")):
-            raise ConfigError(f"--model {model}: neither a Hugging Face folder (no config.json) nor a run folder "
-                              "(no checkpoints/ and config.yaml)")
-        return model, None, None
-    from fastcredit.export import export_once
-
-    step = _run_step(model, step)
-    # reused while it was made from the checkpoint as it is now (its manifest), else exported again
-    folder = export_once(model, os.path.join(model, "exports", f"step_{step:06d}"), step=step)
-    return folder, model, step
-
-
 def _training_sources(cfg: TrainConfig) -> Optional[set]:
     """The data sources a run trained on (its in-domain sets), or None when they cannot be read cheaply."""
     if cfg.data.source == "toy":
@@ -138,7 +107,7 @@ def _training_sources(cfg: TrainConfig) -> Optional[set]:
 def _eval_data(cfg: TrainConfig, data: Optional[str], split: str,
                rank: int = 0) -> tuple[list[QAExample], str, str]:
     """``(examples, the file they came from, the corpus the retriever reads)``."""
-    from fastcredit.trainer import parts as C
+    from fastcredit.data.build import load_data
     from fastcredit.data.loaders import load_qa
 
     if data is not None:  # read first: a wrong path fails before anything is generated or built
@@ -150,7 +119,7 @@ def _eval_data(cfg: TrainConfig, data: Optional[str], split: str,
         examples = load_qa(data, split=split)
     corpus = cfg.retrieval.corpus
     if cfg.data.source == "toy":
-        world = C.load_data(cfg, rank)  # generated once into data.world_dir (rank 0 writes); reused afterwards
+        world = load_data(cfg, rank)  # generated once into data.world_dir (rank 0 writes); reused afterwards
         corpus = world.corpus
         if data is None:
             return world.test, os.path.join(cfg.data.world_dir, f"{split}.jsonl"), corpus
@@ -162,61 +131,14 @@ def _eval_data(cfg: TrainConfig, data: Optional[str], split: str,
     return examples, data, corpus
 
 
-def _pick_engine(kind: str) -> str:
-    import torch
-
-    if kind not in ("auto", "vllm", "hf"):
-        raise ConfigError(f"--engine {kind!r}: valid: auto, vllm, hf")
-    if kind != "auto":
-        return kind
-    if not torch.cuda.is_available():
-        return "hf"
-    import importlib.util
-
-    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
-
-
-def _make_engine(kind: str, folder: str, tokenizer, cfg: TrainConfig, device):
-    import torch
-
-    from fastcredit.rollout.engines import make_engine
-
-    if kind == "vllm":
-        return make_engine("vllm", None, tokenizer, cfg.rollout, device=device, model_path=folder)
-    from transformers import AutoModelForCausalLM
-
-    dtype = torch.float32 if device.type == "cpu" else getattr(torch, cfg.model.dtype)
-    lm = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype, local_files_only=True).to(device).eval()
-    return make_engine("hf", lm, tokenizer, cfg.rollout, device=device)
-
-
-def open_policy(cfg: TrainConfig, folder: str, corpus: str, engine: str = "auto", progress: bool = True,
-                info: Optional[DistInfo] = None):
-    """``(tokenizer, engine, searcher, engine kind, device)``: the model in ``folder`` ready to roll out on this
-    process's device with the config's retriever (``engine``: auto | vllm | hf). ``info``: under torchrun, this
-    rank's DistInfo: its own GPU, and the retrieval index split over the ranks as training splits it
-    (``retrieval.across_ranks``; every rank must call this together)."""
-    import torch
-    from fastcredit.trainer import parts as C
-    from fastcredit.export import load_tokenizer
-
-    device = info.device if info is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = load_tokenizer(folder)  # the class the folder names, as training tokenized (fastcredit.export)
-    kind = _pick_engine(engine)
-    gen = _make_engine(kind, folder, tokenizer, cfg, device)
-    try:
-        searcher, _ = C.make_searcher(cfg, tokenizer, corpus, progress=progress, device=device,
-                                      info=info if info is not None and info.distributed else None)
-    except BaseException:
-        gen.close()
-        raise
-    return tokenizer, gen, searcher, kind, device
+# how evaluate() opens a folder's engine (tests put a scripted policy in its place)
+_make_engine = engine_from_folder
 
 
 def input_errors() -> tuple:
     """What bad input raises: the command reports these in one line (exit status 2)."""
     from fastcredit.distributed.checkpoint import CheckpointError
-    from fastcredit.export import ExportError
+    from fastcredit.models.export import ExportError
 
     return ConfigError, DataError, FileNotFoundError, ExportError, CheckpointError
 
@@ -277,7 +199,6 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
     import time
 
     import torch
-    from fastcredit.trainer import parts as C
     from fastcredit.data.prompts import example_prompt_ids
     from fastcredit.distributed.process_group import max_over_ranks
     from fastcredit.rollout.agent import searcher_session
@@ -286,6 +207,7 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
     info = info or DistInfo(device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if batch < 1 or (limit is not None and limit < 1):
         raise ConfigError("--batch and --limit must be at least 1")
+    check_paths(cfg, "data", "retrieval")  # the questions and the retriever's files, before anything loads
     folder, run, step = rank0_first(info, lambda: resolve_model(model, step))  # rank 0 exports; the others reuse it
     examples, data_path, corpus = rank0_first(info, lambda: _eval_data(cfg, data, split, info.rank))
     chosen = sample_per_source(examples, limit, cfg.eval.seed_for(cfg.seed)) if limit else list(range(len(examples)))
@@ -297,7 +219,7 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
             else os.path.abspath(data_path), "split": split, "limit": limit, "seed": cfg.seed,
             "config": _config_fingerprint(cfg)}
     if run is not None:  # which save of the step was exported: predictions of a step saved since are not mixed in
-        from fastcredit.export import source_key
+        from fastcredit.models.export import source_key
 
         meta["checkpoint"] = source_key(folder)
     # rank 0 compares the fingerprint and applies --fresh first; no rank appends before every rank has read (the
@@ -311,13 +233,13 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
     seconds = 0.0
     if max_over_ranks(len(todo), info):  # every rank opens its engine and index share when any rank has work
         tokenizer, gen, searcher, kind, device = open_policy(cfg, folder, corpus, engine, progress and info.is_main,
-                                                             info)
+                                                             info, make_engine=_make_engine)
         if info.is_main:
             ranks = f" ({info.world_size} ranks, each its shard)" if info.distributed else ""
             print(f"evaluating {folder} on {data_path} ({len(chosen)} questions, "
                   f"{len({examples[i].data_source for i in chosen})} data sources) with the {kind} engine on "
                   f"{device}{ranks}", flush=True)
-        loop = C.agent_loop(cfg, gen, searcher, greedy=True)
+        loop = agent_loop(cfg, gen, searcher, greedy=True)
         d = cfg.data
 
         def roll(idx: list) -> list:
@@ -327,8 +249,8 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
 
         mine = chosen[info.rank::info.world_size]
         bar = progress_bar(total=len(mine), initial=sum(i in cache.done for i in mine), unit="q",
-                   desc="eval" + (f" rank 0 of {info.world_size}" if info.distributed else ""),
-                   disable=not (progress and info.is_main), dynamic_ncols=True)
+                           desc="eval" + (f" rank 0 of {info.world_size}" if info.distributed else ""),
+                           disable=not (progress and info.is_main), dynamic_ncols=True)
         start = time.perf_counter()
         try:
             with searcher_session(searcher):
@@ -350,15 +272,6 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
         with open(os.path.join(out, RESULTS_MD), "w", encoding="utf-8") as f:
             f.write(format_markdown(summary, label))
     return {**summary, "out": out, "markdown": format_markdown(summary, label)}
-
-
-def model_config(model: str, rest: list) -> TrainConfig:
-    """The config of a command that takes ``--model``: ``--config``, else a run folder's ``config.yaml``, else the
-    defaults; then the ``key=value`` overrides in ``rest``."""
-    path, overrides = parse_cli(rest)
-    if path is None and _is_run(model):
-        path = os.path.join(model, "config.yaml")
-    return load_config(path, overrides)
 
 
 def main(argv: Optional[list] = None) -> int:

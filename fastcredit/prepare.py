@@ -26,13 +26,15 @@ import time
 from collections import Counter
 from typing import Optional
 
-from fastcredit.trainer.parts import Data, load_tokenizer
 from fastcredit.config.help import format_usage, handle_help
 from fastcredit.config import ConfigError, TrainConfig, load_config, parse_cli, save_config
+from fastcredit.config.checks import check_paths
+from fastcredit.data.build import Data
 from fastcredit.data.loaders import QAExample, iter_corpus, load_qa
 from fastcredit.data.prompts import build_prompt
 from fastcredit.data.toyworld import generate_world, write_world
 from fastcredit.credit.rewards import score_trajectory
+from fastcredit.models.build import run_tokenizer
 from fastcredit.runtime.progress import quiet_library_bars
 
 
@@ -112,7 +114,8 @@ def run(cfg: TrainConfig) -> dict:
     passages = {pid: (title, text) for pid, title, text in iter_corpus(corpus_path)} if corpus_path else {}
     timer.step(f"read {len(passages)} passages")
     prompts = [build_prompt(ex.question, cfg.data.prompt_template) for ex in train]
-    tokenizer = load_tokenizer(cfg, Data(train, test, corpus_path), out_dir)
+    check_paths(cfg, "model")  # a missing tokenizer or model folder named by its key
+    tokenizer = run_tokenizer(cfg, Data(train, test, corpus_path), out_dir)
     timer.step(f"tokenizer ready (vocabulary {len(tokenizer)})")
     replayed = [ex for ex in test if ex.metadata.get("hops")]
     batch, outcomes, guesses, prompt_tokens = _replay(replayed, passages, tokenizer, prompts)

@@ -30,7 +30,6 @@ from typing import Optional
 
 from fastcredit.config.help import format_usage, handle_help
 from fastcredit.config import ConfigError, load_config, parse_cli
-from fastcredit.config.checks import check_paths
 from fastcredit.credit.needs import check_needs
 from fastcredit.distributed.process_group import init_distributed, rank_failure_ends_job, shutdown
 from fastcredit.runtime.progress import quiet_library_bars
@@ -70,25 +69,17 @@ def main(argv: Optional[list] = None) -> int:
         report, argv = report_flags(argv)
         path, overrides = parse_cli(argv)
         cfg = load_config(path or DEFAULT_CONFIG, overrides)
-        check_needs(cfg)  # the estimator's judge, PRM or ProCeed rollouts, before anything loads
+        if report is None:  # on every rank, before the process group starts: a wrong path named by its key
+            from fastcredit.trainer.checks import check_run
+
+            check_run(cfg, resume)
+        else:  # the plan reads the estimator's needs; the paths are the target machine's
+            check_needs(cfg)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     if report is not None:
         return memory_report(cfg, report)
-    try:  # a wrong local path named by its key now, not as a library's traceback after the process group starts
-        check_paths(cfg)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    from fastcredit.trainer.loop import check_resume
-
-    if resume:
-        try:
-            check_resume(cfg)  # on every rank, before the process group starts
-        except ConfigError as exc:
-            print(f"config error: {exc}", file=sys.stderr)
-            return 2
     info = init_distributed(cfg.distributed.backend, cfg.distributed.shard_size)
     with rank_failure_ends_job(info):  # under torchrun a failing rank must not leave the others waiting on it
         if cfg.distributed.placement == "split":
@@ -98,27 +89,15 @@ def main(argv: Optional[list] = None) -> int:
 
 def colocated_main(cfg, info, resume: bool, profile: bool) -> int:
     """Every rank rolls out and trains (``fastcredit.trainer.loop.Trainer``), to the end."""
-    from fastcredit.trainer.loop import CollapseError, Trainer
+    from fastcredit.trainer.loop import Trainer
 
-    trainer = Trainer(cfg, info, resume=resume, profile=profile)
-    try:
-        summary = trainer.fit()
-    except CollapseError as exc:
-        trainer.say(f"error: {exc}")
-        shutdown(info, 3)
-        return 3
-    finally:
-        trainer.logger.close()
-    if info.is_main:
-        _report(trainer, summary)
-    shutdown(info)
-    return 0
+    # every rank trips the collapse guard on the same (rank-averaged) metrics: they leave together
+    return _fit(Trainer(cfg, info, resume=resume, profile=profile), info, info.is_main, lambda: shutdown(info, 3))
 
 
 def split_main(cfg, info, resume: bool, profile: bool) -> int:
     """``distributed.placement=split``: this rank's role (``fastcredit.trainer.split``), run to the end."""
     from fastcredit.distributed.split import SplitError, split_layout
-    from fastcredit.trainer.loop import CollapseError
     from fastcredit.trainer.split import RolloutWorker, SplitTrainer
 
     try:
@@ -135,35 +114,29 @@ def split_main(cfg, info, resume: bool, profile: bool) -> int:
         RolloutWorker(cfg, layout).run()
         shutdown(info)
         return 0
-    trainer = SplitTrainer(cfg, layout, resume=resume, profile=profile)
+    # the rollout ranks wait for weights that will not come after a collapse: torchrun stops them
+    return _fit(SplitTrainer(cfg, layout, resume=resume, profile=profile), info, layout.info.is_main,
+                lambda: os._exit(3))
+
+
+def _fit(trainer, info, main: bool, on_collapse) -> int:
+    """Train to the end; the held-out figures and where the metrics went on the ``main`` rank; status 3 (through
+    ``on_collapse``) when the collapse guard stops the run."""
+    from fastcredit.trainer.loop import CollapseError
+
     try:
         summary = trainer.fit()
     except CollapseError as exc:
         trainer.say(f"error: {exc}")
         sys.stdout.flush()
-        os._exit(3)  # the rollout ranks wait for weights that will not come: torchrun stops them
+        on_collapse()
+        return 3
     finally:
         trainer.logger.close()
-    if layout.info.is_main:
-        _report(trainer, summary)
+    if main:
+        trainer.report(summary)
     shutdown(info)
     return 0
-
-
-def _report(trainer, summary: dict) -> None:
-    """Held-out EM before and after, and where the metrics and curves are."""
-    from fastcredit.runtime.tracking import plot_metrics
-
-    before, after = summary.get("em_before"), summary.get("em_after")
-    if after is not None:
-        print(f"held-out EM: {'n/a' if before is None else f'{before:.3f}'} before -> {after:.3f} after "
-              f"{trainer.step} steps")
-    if trainer.logger.path and os.path.exists(trainer.logger.path):
-        print(f"metrics: {trainer.logger.path}")
-        if trainer.cfg.logging.curves:
-            png = plot_metrics(trainer.logger.path, os.path.join(trainer.out_dir, "curves.png"),
-                               title=trainer.cfg.run_name)
-            print(f"curves:  {png}")
 
 
 if __name__ == "__main__":

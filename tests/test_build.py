@@ -145,7 +145,7 @@ def test_setup_links_the_extension_with_an_rpath(tmp_path):
 
 
 def test_the_preflight_reads_the_makefiles_gpu_lines():
-    """bench/gpu_preflight_build.py runs the Makefile's own build and import lines: a Makefile edit that it can no
+    """bench/gpu/gpu_preflight_build.py runs the Makefile's own build and import lines: a Makefile edit that it can no
     longer find fails here, not on the next GPU machine."""
     from gpu_preflight_build import makefile_gpu_commands, parse_readelf
 

@@ -235,7 +235,7 @@ def test_a_save_killed_before_latest_moved_resumes_from_what_latest_names(tmp_pa
 
 
 def test_export_refuses_a_damaged_checkpoint(tmp_path):
-    from fastcredit.export import ExportError, find_checkpoint
+    from fastcredit.models.export import ExportError, find_checkpoint
 
     _two_checkpoints(str(tmp_path / "checkpoints"))
     _overwrite_4k(str(tmp_path / "checkpoints" / "step_000002" / "model" / "__0_0.distcp"))

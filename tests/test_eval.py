@@ -13,7 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from fastcredit.trainer import parts as C
+from fastcredit.data.build import load_data
+from fastcredit.models.build import run_tokenizer
 from fastcredit import eval as E
 from fastcredit.config import load_config
 from fastcredit.data.loaders import write_searchr1_parquet
@@ -87,8 +88,8 @@ def toy(tmp_path_factory):
                  "data.toy.num_companies=20", "data.toy.num_questions=60", "rollout.max_turns=4",
                  "rollout.max_obs_tokens=160", "rollout.max_response_tokens=640", "rollout.max_action_tokens=64"]
     cfg = load_config(DEBUG, overrides)
-    data = C.load_data(cfg)
-    tok = C.load_tokenizer(cfg, data, str(base / "run"))
+    data = load_data(cfg)
+    tok = run_tokenizer(cfg, data, str(base / "run"))
     folder = save_tiny_policy(build_tiny_policy(tok, hidden=32, layers=1, heads=2), tok, str(base / "model"))
     every = data.train + data.test
     seven = [replace(ex, data_source=SEVEN[i % 7]) for i, ex in enumerate(every)]
@@ -282,7 +283,7 @@ def test_predictions_of_an_earlier_save_of_the_step_are_not_mixed_in(run, tmp_pa
 
     from fastcredit.distributed.checkpoint import load_checkpoint, save_checkpoint
     from fastcredit.models.packed import PolicyModel
-    from fastcredit.trainer.parts import load_policy
+    from fastcredit.models.build import load_policy
     from transformers import AutoTokenizer
 
     copy, out = str(tmp_path / "run"), str(tmp_path / "eval")

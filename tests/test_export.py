@@ -17,7 +17,8 @@ import torch
 
 from tests import forkserver
 
-from fastcredit.export import ExportError, export_checkpoint, main
+from fastcredit.export import main
+from fastcredit.models.export import ExportError, export_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["data.toy.num_people=80", "data.toy.num_companies=20", "data.toy.num_questions=60", "eval.questions=0",
@@ -55,14 +56,14 @@ def hf_model(folder):
 
 def trainer_policy(run, step=None):
     """The run's PolicyModel as the trainer builds it; with ``step``, its checkpoint loaded by the trainer's code."""
-    from fastcredit.trainer import parts as C
+    from fastcredit.models.build import load_policy
     from fastcredit.models.packed import PolicyModel
     from fastcredit.distributed.checkpoint import load_checkpoint
     from fastcredit.config import load_config
     from transformers import AutoTokenizer
 
     cfg = load_config(os.path.join(run, "config.yaml"))
-    policy = PolicyModel(C.load_policy(cfg, AutoTokenizer.from_pretrained(os.path.join(run, "tokenizer"))))
+    policy = PolicyModel(load_policy(cfg, AutoTokenizer.from_pretrained(os.path.join(run, "tokenizer"))))
     if step is not None:
         load_checkpoint(os.path.join(run, "checkpoints", f"step_{step:06d}"), {"policy": policy}, {})
     return policy.lm.eval()
@@ -112,7 +113,8 @@ def test_the_tokenizer_travels(fsdp_run, tmp_path, capsys):
     """The run's tokenizer comes back from the export; AutoTokenizer's substitute for qwen2 folders is named."""
     from transformers import AutoTokenizer
 
-    from fastcredit.export import PROBE, load_tokenizer
+    from fastcredit.data.tokenizer import load_tokenizer
+    from fastcredit.models.export import PROBE
 
     out = export_checkpoint(fsdp_run, str(tmp_path / "hf"))
     run_tok = AutoTokenizer.from_pretrained(os.path.join(fsdp_run, "tokenizer"))
@@ -298,9 +300,9 @@ def test_tied_weights_that_differ_in_the_checkpoint_are_refused(fsdp_run, tmp_pa
 def test_a_step_saved_again_is_exported_again(fsdp_run, tmp_path, monkeypatch, capsys):
     """eval's export of step N is reused while step N is the save it was made from; once step N is saved again with
     other weights (a collapse-guard rollback), it is made again, replacing the old one only when complete."""
-    import fastcredit.export as X
+    import fastcredit.models.export as X
     from fastcredit.distributed.checkpoint import save_checkpoint
-    from fastcredit.eval import resolve_model
+    from fastcredit.models.export import resolve_model
     from fastcredit.models.packed import PolicyModel
 
     run = tmp_path / "run"
@@ -345,7 +347,7 @@ def test_a_step_saved_again_is_exported_again(fsdp_run, tmp_path, monkeypatch, c
 def test_which_export_is_stale_is_read_from_its_record_and_the_manifest(tmp_path, capsys):
     """No weights read: an export without a record, or with another manifest's digest or dtype, is made again; one
     whose checkpoint is gone is all there is (kept, and said)."""
-    from fastcredit.export import SOURCE, export_once, stale_reason
+    from fastcredit.models.export import SOURCE, export_once, stale_reason
 
     run, out = tmp_path / "run", tmp_path / "run" / "exports" / "step_000003"
     ckpt = run / "checkpoints" / "step_000003"

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path[:0] = [os.path.join(ROOT, "bench", "gpu"), os.path.join(ROOT, "bench")]
 
 from gpu_check import check_targets  # noqa: E402
 
@@ -16,7 +16,7 @@ from gpu_check import check_targets  # noqa: E402
 @pytest.mark.slow
 def test_the_gpu_check_runs_on_a_cpu(tmp_path):
     out = tmp_path / "check"
-    proc = subprocess.run(["bash", "bench/gpu_check.sh", str(out)], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run(["bash", "bench/gpu/gpu_check.sh", str(out)], cwd=ROOT, capture_output=True, text=True,
                           timeout=900, env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     status = {p.stem[6:]: json.load(open(p))["status"] for p in out.glob("stage_*.json")}
@@ -67,7 +67,7 @@ def test_targets_pass_and_fail_on_the_numbers(fast):
 
 def test_a_check_split_over_two_runs_is_not_a_pass_until_every_stage_ran(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_STAGES": "env build"}
-    proc = subprocess.run(["bash", "bench/gpu_check.sh", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run(["bash", "bench/gpu/gpu_check.sh", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env=env)
     failed = ("FAILED: tests, kernels, train, ranks, rollout, step, search_step, split, nsys, vllm_engine, vllm_sleep, "
               "vllm_critic, vllm_rollout, vllm_train, vllm_step")

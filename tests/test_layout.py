@@ -102,7 +102,7 @@ def test_the_graph_sees_imports():
     """The reader above is not vacuous: known edges are found, lazy (function-level) ones included."""
     assert "fastcredit.credit.types" in GRAPH["fastcredit.credit.registry"]
     assert "fastcredit.distributed.deepspeed_engine" in GRAPH["fastcredit.distributed.build"]  # imported lazily
-    assert "fastcredit.kernels._dispatch" in GRAPH["fastcredit.kernels.turn_surrogate.triton"]  # relative import
+    assert "fastcredit.kernels._dispatch" in GRAPH["fastcredit.kernels.linear_logprob.triton"]  # relative import
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

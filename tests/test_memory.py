@@ -352,7 +352,7 @@ def test_deepspeed_reads_the_policy_on_every_rank_fsdp2_on_rank0(gpus):
 
 
 def test_the_rank0_rule_is_the_trainers():
-    from fastcredit.trainer.parts import loads_on_rank0
+    from fastcredit.models.build import loads_on_rank0
     from fastcredit.distributed.process_group import DistInfo
     from fastcredit.trainer.memory.host import reads_on_rank0_only
 

@@ -1,4 +1,4 @@
-"""bench/nsys_phases.py: nsys's nvtx_sum CSV -> the trainer's per-phase table, against metrics.jsonl.
+"""bench/gpu/nsys_phases.py: nsys's nvtx_sum CSV -> the trainer's per-phase table, against metrics.jsonl.
 
 Runs the script as a subprocess, as a user would; no nsys needed (a stand-in plays it once)."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = "bench/nsys_phases.py"
+SCRIPT = "bench/gpu/nsys_phases.py"
 HEADER = ["Time (%)", "Total Time (ns)", "Instances", "Avg (ns)", "Med (ns)", "Min (ns)", "Max (ns)",
           "StdDev (ns)", "Style", "Range"]
 # (range, total ns, instances): three profiled steps of the fastcredit domain, and ranges of other domains

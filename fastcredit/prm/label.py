@@ -44,6 +44,7 @@ from typing import Optional, Sequence
 import torch
 
 from fastcredit.config import ConfigError, TrainConfig
+from fastcredit.config.checks import check_paths
 from fastcredit.data.loaders import DataError, QAExample
 from fastcredit.data.toyqa import RELATIONS, fact_sentence, question_hops
 from fastcredit.prm.data import LabelledTrajectory, write_labelled
@@ -249,19 +250,22 @@ def _check(cfg: TrainConfig, model: str, labeller: str, split: str, counts: dict
 
 def _open_policy(cfg: TrainConfig, model: str, step, engine: str, data, examples, progress: bool):
     """``(engine, searcher, device)`` for ``model`` (a folder or run as ``fastcredit.eval`` opens it, or scripted)."""
-    from fastcredit.trainer import parts as C
-    from fastcredit import eval as E
+    from fastcredit.models.build import run_tokenizer
+    from fastcredit.models.export import resolve_model
+    from fastcredit.retrieval.searcher import make_searcher
+    from fastcredit.rollout.build import open_policy
 
     p = scripted_p(model)
     if p is None:
-        folder, _, _ = E.resolve_model(model, step)
-        _, gen, searcher, kind, device = E.open_policy(cfg, folder, data.corpus, engine, progress)
+        folder, _, _ = resolve_model(model, step)
+        _, gen, searcher, kind, device = open_policy(cfg, folder, data.corpus, engine, progress)
         print(f"rolling out {folder} with the {kind} engine on {device}", flush=True)
         return gen, searcher, device
     if step is not None:
         raise ConfigError("--step applies to a run folder, not to --model scripted")
-    tokenizer = C.load_tokenizer(cfg, data, cfg.logging.output_dir)
-    searcher, _ = C.make_searcher(cfg, tokenizer, data.corpus, progress=progress)
+    check_paths(cfg, "model")  # the scripted policy rolls out with the config's tokenizer
+    tokenizer = run_tokenizer(cfg, data, cfg.logging.output_dir)
+    searcher, _ = make_searcher(cfg, tokenizer, data.corpus, progress=progress)
     print(f"rolling out the scripted toy-world policy (p = {p:g})", flush=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return ScriptedPolicy(tokenizer, examples, p), searcher, device
@@ -338,7 +342,8 @@ def label_dataset(cfg: TrainConfig, model: str, *, samples: int = 5, questions: 
                   progress: bool = True) -> dict:
     """Roll out, label and write a PRM dataset (see the module docstring); returns the summary it prints.
     Nothing is written when no trajectory could be labelled."""
-    from fastcredit.trainer import parts as C
+    from fastcredit.data.build import load_data
+    from fastcredit.rollout.build import agent_loop
     from fastcredit.trainer.heldout import sample_per_source
 
     t0 = time.perf_counter()
@@ -346,7 +351,8 @@ def label_dataset(cfg: TrainConfig, model: str, *, samples: int = 5, questions: 
     seed = cfg.seed if seed is None else seed
     _check(cfg, model, labeller, split, {"--samples": samples, "--questions": questions, "--batch": batch})
     out = out or os.path.join("runs", "prm_data", f"{split}.parquet")
-    data = C.load_data(cfg)
+    check_paths(cfg, "data", "retrieval")  # the questions and the retriever's files, before anything loads
+    data = load_data(cfg)
     examples = data.train if split == "train" else data.test
     if not examples:
         raise DataError(f"the {split} split has no questions")
@@ -359,7 +365,7 @@ def label_dataset(cfg: TrainConfig, model: str, *, samples: int = 5, questions: 
     try:
         if labeller == "judge":
             judge, backend = _judge(cfg, gen, device)
-        loop = C.agent_loop(cfg, gen, searcher, greedy=False)
+        loop = agent_loop(cfg, gen, searcher, greedy=False)
         name = _labeller_name(cfg, labeller)
         rows, dropped, stats = _label_chunks(cfg, loop, examples, chosen, samples, batch, seed, judge, subs, name)
     finally:
@@ -380,8 +386,7 @@ def label_dataset(cfg: TrainConfig, model: str, *, samples: int = 5, questions: 
 def main(argv: Optional[list] = None) -> int:
     from fastcredit.distributed.checkpoint import CheckpointError
     from fastcredit.config.help import take_flags
-    from fastcredit.eval import model_config
-    from fastcredit.export import ExportError
+    from fastcredit.models.export import ExportError, model_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv or any(a.startswith("--help=") for a in argv):

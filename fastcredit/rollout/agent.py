@@ -39,13 +39,14 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
 from fastcredit.rollout.actions import (INVALID_OBSERVATION, STOP_STRINGS, classify_action, classify_searchr1,
                                         cut_at_first_tag)
 from fastcredit.rollout.engines.base import Engine, GenOutput, SamplingParams
+from fastcredit.retrieval.searcher import Searcher
 from fastcredit.rollout.trajectory import TrajectoryBatch, Turn, TurnKind, from_turns
 
 
@@ -60,8 +61,6 @@ CORRECTIVE = _Corrective()
 # on_action's answer: the query to search, CORRECTIVE, or None when the trajectory ended
 NextObservation = Union[str, _Corrective, None]
 
-# searcher(queries) -> per query (observation token ids, retrieved passage ids)
-Searcher = Callable[[list[str]], list[tuple[list[int], list[str]]]]
 
 
 @dataclass
@@ -383,38 +382,3 @@ class AgentLoop:
             batch.rollout_logp_N = torch.tensor([lp for e in episodes for lp in e.logprobs], dtype=torch.float32)
         return RolloutResult(batch, [e.prompt_ids for e in episodes], episodes, seconds,
                              _stats(episodes, seconds, calls, self.activity))
-
-
-def retriever_searcher(retriever, k: int, max_passage_tokens: Optional[int] = None,
-                       max_obs_tokens: Optional[int] = None) -> Searcher:
-    """A :data:`Searcher` over an in-process ``Retriever``: one search and one token gather per batch."""
-
-    def search(queries: list[str]) -> list[tuple[list[int], list[str]]]:
-        if not queries:
-            return []
-        rows = retriever.search_rows(queries, k)[1]
-        ids, cu = retriever.observation_tokens(None, k, max_passage_tokens, max_obs_tokens, rows=rows)
-        ids, cu, rows = ids.cpu().tolist(), cu.cpu().tolist(), rows.cpu().tolist()
-        return [(ids[cu[i]:cu[i + 1]], [retriever.corpus.id(r) for r in rows[i] if r >= 0])
-                for i in range(len(queries))]
-
-    session = getattr(getattr(retriever, "index", None), "session", None)
-    if session is not None:  # split across ranks: each rollout meets the other ranks in retrieval rounds
-        search.session = session
-    return search
-
-
-def http_searcher(client, tokenizer, k: int) -> Searcher:
-    """A :data:`Searcher` over a Search-R1 ``/retrieve`` server (text answers, tokenized here once)."""
-    from fastcredit.retrieval.observation import format_observation
-
-    def search(queries: list[str]) -> list[tuple[list[int], list[str]]]:
-        results = client.retrieve(queries, k)
-        out = []
-        for docs in results:
-            docs = [d.get("document", d) for d in docs]
-            text = format_observation(d["contents"] for d in docs)
-            out.append((list(tokenizer(text, add_special_tokens=False)["input_ids"]), [str(d.get("id")) for d in docs]))
-        return out
-
-    return search

@@ -14,42 +14,18 @@ import os
 from typing import Optional
 
 
-from fastcredit.config import ConfigError, TrainConfig, config_drift, load_config, save_config, to_dict
-from fastcredit.credit.needs import check_needs
+from fastcredit.config import TrainConfig, save_config, to_dict
 from fastcredit.data.sampler import PromptSampler
 from fastcredit.distributed.process_group import DistInfo
 from fastcredit.runtime.files import seed_everything
 from fastcredit.runtime.profiling import PhaseTimer, profiler_start, profiler_stop
 from fastcredit.runtime.tracking import MetricLogger, archive_previous_run, write_line
-from fastcredit.trainer.parts import build_parts
+from fastcredit.trainer.parts import build_colocated
 from fastcredit.trainer.schedule import LRSchedule
 
 
 class CollapseError(RuntimeError):
     """The collapse guard tripped and the configured action is to stop."""
-
-
-# What a resumed run may change: keys that extend it (more steps), observe it (logging, evaluation cadence) or
-# only plan it (distributed.gpus).
-RESUME_MAY_CHANGE = ("optim.total_steps", "logging.", "eval.every", "run_name", "distributed.gpus")
-
-
-def check_resume(cfg: TrainConfig) -> None:
-    """``--resume`` continues the run saved in ``logging.output_dir`` only with the settings it was made with: a
-    ConfigError names every other key whose value differs from the saved ``config.yaml``."""
-    saved = os.path.join(cfg.logging.output_dir, "config.yaml")
-    if not os.path.exists(saved):
-        return
-    try:
-        before = load_config(saved)
-    except ConfigError as exc:
-        raise ConfigError(f"--resume: the run's saved config does not load ({exc})") from exc
-    drift = config_drift(before, cfg, ignore=RESUME_MAY_CHANGE)
-    if drift:
-        may = ", ".join(k + "*" if k.endswith(".") else k for k in RESUME_MAY_CHANGE)
-        raise ConfigError(f"--resume: {saved} was made with other settings: {'; '.join(drift)}. A resumed run may "
-                          f"change only {may}; start a new run without --resume (the old one moves to previous/) or "
-                          "in another logging.output_dir")
 
 
 class Trainer:
@@ -59,9 +35,8 @@ class Trainer:
     rollbacks so far; ``sampler``: the order training prompts are drawn in. All four are checkpointed."""
 
     def __init__(self, cfg: TrainConfig, info: DistInfo, resume: bool = False, profile: bool = False):
-        check_needs(cfg)  # a judge, PRM or ProCeed rollouts the estimator needs, before anything is built
-        if resume:
-            check_resume(cfg)  # before the saved config.yaml is replaced
+        """``cfg`` as :func:`check_run` passed it (the training command runs the checks once, before the process
+        group starts)."""
         self.cfg, self.info, self.profile = cfg, info, profile
         self.profile_start = min(2, max(cfg.optim.total_steps - 1, 0))  # nsys captures steps 2-4
         self.out_dir = cfg.logging.output_dir
@@ -86,8 +61,8 @@ class Trainer:
             self._resume()
 
     def build_parts(self):
-        """The run's parts on this rank (``fastcredit.trainer.parts.build_parts``)."""
-        return build_parts(self.cfg, self.info, self.out_dir, self.say)
+        """The run's parts on this rank: both roles, colocated (``fastcredit.trainer.parts.build_colocated``)."""
+        return build_colocated(self.cfg, self.info, self.out_dir, self.say)
 
     def say(self, text: str) -> None:
         """A line on rank 0's console, above the progress bar when one is showing."""
@@ -190,6 +165,21 @@ class Trainer:
         return summary
 
     step_profile = None  # --profile's torch.profiler session while it records (fastcredit.runtime.torch_profile)
+
+    def report(self, summary: dict) -> None:
+        """Held-out EM before and after training (``summary``: what :meth:`fit` returned), and where the metrics
+        and curves are."""
+        from fastcredit.runtime.tracking import plot_metrics
+
+        before, after = summary.get("em_before"), summary.get("em_after")
+        if after is not None:
+            print(f"held-out EM: {'n/a' if before is None else f'{before:.3f}'} before -> {after:.3f} after "
+                  f"{self.step} steps")
+        if self.logger.path and os.path.exists(self.logger.path):
+            print(f"metrics: {self.logger.path}")
+            if self.cfg.logging.curves:
+                png = plot_metrics(self.logger.path, os.path.join(self.out_dir, "curves.png"), title=self.cfg.run_name)
+                print(f"curves:  {png}")
 
     def _profiled_step(self) -> dict:
         """One step, counted; under ``--profile`` steps ``profile_start`` to +2 (fewer when the run ends first) are

@@ -15,7 +15,8 @@ import torch
 from fastcredit.config import TrainConfig
 from fastcredit.distributed.process_group import DistInfo, max_over_ranks
 from fastcredit.rollout.proceed import proceed_flags
-from fastcredit.trainer.parts import Parts, agent_loop, prompt_ids
+from fastcredit.rollout.build import agent_loop, prompt_ids
+from fastcredit.trainer.parts import Parts
 
 
 def rollout(parts: Parts, cfg: TrainConfig, idx: list[int], examples_from: list, greedy: bool = False,

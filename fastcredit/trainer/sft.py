@@ -17,6 +17,7 @@ import math
 import os
 import pickle
 import random
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -204,3 +205,54 @@ def cached_warm_start(model, folder: Optional[str], fingerprint: str, run: Calla
         with atomic_output(path) as tmp:
             torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
         say(f"warm start: saved to {path}")
+
+
+def warm_start(lm, cfg, data, tokenizer, searcher, info, say: Callable[[str], None]) -> None:
+    """SFT of ``lm`` on oracle trajectories; observations come from the run's own searcher, as in rollouts. With
+    ``warmstart.cache_dir`` a warm start of the same config is loaded instead of redone (``sft.cached_warm_start``)."""
+    from fastcredit.data.detours import choose_detours, planned_queries
+    from fastcredit.data.toyqa import oracle_actions
+    from fastcredit.distributed.from_rank0 import has_meta
+    from fastcredit.rollout.build import prompt_ids
+
+    w = cfg.warmstart
+    seed = w.seed_for(cfg.seed)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # what the SFT batches pad with
+
+    def run() -> str:
+        examples = [ex for ex in data.train if ex.metadata.get("hops")]
+        examples = examples[: w.questions] if w.questions else examples
+        t0 = time.time()
+        plan = detour_plan(cfg, examples, seed)
+        queries = sorted({h["query"] for ex in examples for h in ex.metadata["hops"]} | set(planned_queries(plan)))
+        found = dict(zip(queries, searcher(queries)))  # on every rank: the searcher may be split over the ranks
+        if has_meta(lm):  # loads_on_rank0: rank 0 warm-starts the weights every rank is filled from
+            return "warm start: on rank 0"
+        detours = choose_detours(plan, examples, {q: ids for q, (_, ids) in found.items()})
+        seqs = sft_sequences(examples, prompt_ids(cfg, tokenizer, examples), tokenizer, lambda q: found[q][0],
+                             seed=seed, actions=lambda ex, rng: oracle_actions(ex, rng, detour=detours.get(ex.id)))
+        bar = cfg.logging.progress and info.is_main
+        losses = sft_train(lm, seqs, pad_id, w.epochs, w.lr, w.batch_size, seed, str(info.device),
+                           progress=bar, on_epoch=None if bar else lambda k, loss: say(
+                               f"warm start: epoch {k}/{w.epochs}, loss {loss:.3f} ({time.time() - t0:.0f} s)"),
+                           threads=w.threads)
+        made = f" ({len(detours)} with a detour)" if w.detour_fraction else ""
+        # the mean loss of the first epoch and of the last (one epoch: its mean)
+        loss = f"{losses[0]:.3f} -> {losses[-1]:.3f}" if len(losses) > 1 else f"{losses[0]:.3f}"
+        epochs = f"{w.epochs} epoch{'s' if w.epochs > 1 else ''}"
+        return f"warm start: {len(seqs)} oracle trajectories{made} x {epochs} in {time.time() - t0:.0f} s, loss {loss}"
+
+    cached_warm_start(lm, w.cache_dir, warm_start_fingerprint(cfg), run, say)
+    lm.requires_grad_(True).train()
+
+
+def detour_plan(cfg, examples: list, seed: int) -> dict:
+    """The warm start's planned detours (``fastcredit.data.detours.plan_detours``, ``warmstart.detour_fraction`` of
+    the examples; the world's entities read from ``data.world_dir``); empty at fraction 0."""
+    if not cfg.warmstart.detour_fraction:
+        return {}
+    from fastcredit.data.detours import plan_detours
+    from fastcredit.data.toyworld import load_world
+
+    entities = load_world(cfg.data.world_dir).entities
+    return plan_detours(examples, entities, cfg.warmstart.detour_fraction, random.Random(f"detours-{seed}"))

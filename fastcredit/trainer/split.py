@@ -93,9 +93,9 @@ class SplitTrainer(Trainer):
         self.send_weights(self.step)
 
     def build_parts(self):
-        from fastcredit.trainer.split_parts import build_train_parts
+        from fastcredit.trainer.parts import build_training_rank
 
-        return build_train_parts(self.cfg, self.layout, self.out_dir, self.say)
+        return build_training_rank(self.cfg, self.layout, self.out_dir, self.say)
 
     def send_weights(self, version: int) -> None:
         """The policy's weights as version ``version`` to the rollout ranks (every training rank gathers its
@@ -198,7 +198,7 @@ class RolloutWorker:
     """The rollout ranks' loop: batches for every step the training ranks will train, weights as they come."""
 
     def __init__(self, cfg, layout):
-        from fastcredit.trainer.split_parts import build_rollout_parts
+        from fastcredit.trainer.parts import build_rollout_rank
 
         self.cfg, self.layout, self.info = cfg, layout, layout.info
         # The training ranks' start message comes once their parts are built: the world, tokenizer and retrieval
@@ -210,7 +210,7 @@ class RolloutWorker:
                                  count=cfg.optim.total_steps - self.start + 1)
         seed_everything(cfg.seed)
         self.timer = PhaseTimer()
-        self.parts = build_rollout_parts(cfg, layout, cfg.logging.output_dir, lambda text: None)
+        self.parts = build_rollout_rank(cfg, layout, cfg.logging.output_dir, lambda text: None)
         self.sampler = PromptSampler(len(self.parts.data.train), cfg.seed, **box[0]["sampler"])
         self.version = -1
         self.points = eval_points(cfg, self.start)

@@ -9,7 +9,9 @@ from typing import Optional
 
 import pytest
 
-from fastcredit.trainer import parts as C
+from fastcredit.data.build import load_data
+from fastcredit.retrieval.searcher import make_searcher
+from fastcredit.trainer.checks import check_run
 from fastcredit.config import ConfigError, TrainConfig, load_config
 from fastcredit.config.checks import check_paths
 from fastcredit.config.fields import COUNT, opt
@@ -247,11 +249,12 @@ def test_missing_paths_name_their_key(override, part, message):
 
 
 def test_a_missing_model_folder_fails_before_transformers_sees_it(tmp_path):
-    cfg = load_config(None, ["model.policy=/x/y"])
+    """The training command's one check of the run's config (before the process group starts and anything
+    loads), not a library's traceback taking the folder for a hub id."""
+    cfg = load_config(None, ["model.policy=/x/y", f"logging.output_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError, match="model.policy: /x/y does not exist"):
-        C.load_tokenizer(cfg, None, str(tmp_path))
-    with pytest.raises(ConfigError, match="model.policy: /x/y does not exist"):
-        C.load_policy(cfg, None)
+        check_run(cfg)
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_missing_index_is_not_built_unless_asked(tmp_path):
@@ -262,7 +265,7 @@ def test_a_missing_index_is_not_built_unless_asked(tmp_path):
                              "retrieval.query_prefix=query: "])
     with pytest.raises(ConfigError, match=r"retrieval.index: .*e5_Flat.index does not exist, and with "
                                           r"retrieval.build_index=auto nothing builds it") as err:
-        C.make_searcher(cfg, None, str(corpus))
+        make_searcher(cfg, None, str(corpus))
     message = str(err.value)
     build = f"python -m fastcredit.retrieval.build --corpus {corpus} --out {tmp_path}/e5_Flat --query-prefix 'query: '"
     assert build in message and "retrieval.build_index=missing" in message
@@ -285,15 +288,20 @@ def test_an_empty_training_file_is_a_data_error_naming_it(tmp_path):
     train = _qa_file(tmp_path / "train.jsonl", 0)
     cfg = load_config(None, ["data.source=flashrag", f"data.train_path={train}"])
     with pytest.raises(DataError, match=f"{train}: no training questions"):
-        C.load_data(cfg)
+        load_data(cfg)
 
 
 def test_a_flashrag_source_without_a_corpus_names_retrieval_corpus(tmp_path):
     cfg = load_config(None, ["data.source=flashrag", f"data.train_path={_qa_file(tmp_path / 'train.jsonl', 2)}"])
     with pytest.raises(ConfigError, match="data.source=flashrag needs retrieval.corpus"):
-        C.load_data(cfg)
+        load_data(cfg)
+    # a missing file is named by its key in the run's one check (check_paths, before anything loads), and by its
+    # path if the loader is called without it
+    missing_test = load_config(None, ["data.source=flashrag", f"data.train_path={tmp_path}/train.jsonl",
+                                      "data.test_path=/x/test.jsonl"])
     with pytest.raises(ConfigError, match="data.test_path: /x/test.jsonl does not exist"):
-        C.load_data(load_config(None, ["data.source=flashrag", f"data.train_path={tmp_path}/train.jsonl",
-                                       "data.test_path=/x/test.jsonl"]))
+        check_paths(missing_test, "data")
+    with pytest.raises(DataError, match="/x/test.jsonl: no such file"):
+        load_data(missing_test)
     with pytest.raises(ConfigError, match="data.train_path: /x/train.parquet does not exist"):
-        C.load_data(load_config(None, ["data.source=searchr1", "data.train_path=/x/train.parquet"]))
+        check_paths(load_config(None, ["data.source=searchr1", "data.train_path=/x/train.parquet"]), "data")

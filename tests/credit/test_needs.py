@@ -56,12 +56,13 @@ def test_the_training_command_refuses_before_anything_loads(tmp_path):
     assert not out.exists()
 
 
-def test_the_trainer_refuses_too(tmp_path):
-    from fastcredit.distributed.process_group import DistInfo
-    from fastcredit.trainer.loop import Trainer
+def test_the_runs_one_check_refuses_too(tmp_path):
+    """``check_run``: what the training command (and bench/bench_step.py, bench/start_figures.py) runs once before
+    a Trainer is built; the Trainer takes the config it passed."""
+    from fastcredit.trainer.checks import check_run
 
     cfg = load_config(os.path.join(ROOT, "configs", "debug.yaml"),
                       ["credit.estimator=pica", f"logging.output_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError, match="credit.estimator=pica needs a process reward model"):
-        Trainer(cfg, DistInfo())
+        check_run(cfg)
     assert not (tmp_path / "run").exists()

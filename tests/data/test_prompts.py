@@ -122,7 +122,7 @@ def test_the_rows_own_prompt_as_searchr1s_dataset_reads_it(tmp_path):
 
 
 def test_prompt_source_parquet_refuses_data_without_prompts_before_training(tmp_path):
-    from fastcredit.trainer.parts import load_data
+    from fastcredit.data.build import load_data
     from fastcredit.config import load_config
     import json
 

@@ -99,8 +99,10 @@ def max_over_ranks_dict(d: dict, info) -> dict:
 
 
 def check_rank0_loading(info, folder: str) -> dict:
-    from fastcredit.trainer import parts as C
+    from fastcredit.models.build import frozen_copy, load_policy, policy_config
     from fastcredit.models.packed import PolicyModel, ValueModel
+    from fastcredit.rollout.engines.hf import HFEngine
+    from fastcredit.trainer.roles import engine_start
     from fastcredit.config import TrainConfig
     from fastcredit.distributed.build import build_train_engine
     from fastcredit.distributed.engine import adamw
@@ -111,13 +113,18 @@ def check_rank0_loading(info, folder: str) -> dict:
     cfg = TrainConfig()
     cfg.model.policy, cfg.distributed.engine, cfg.model.attn_impl = folder, "fsdp2", "sdpa"
     tok = AutoTokenizer.from_pretrained(folder)
-    lm = C.load_policy(cfg, tok, info)
+    lm = load_policy(cfg, tok, info)
     out = {"meta_on_this_rank": has_meta(lm)}
-    ref = FrozenModel(PolicyModel(C.frozen_copy(lm)), info)
-    value = build_train_engine(ValueModel(C.frozen_copy(lm).requires_grad_(True)), info, cfg.distributed,
+    ref = FrozenModel(PolicyModel(frozen_copy(lm)), info)
+    value = build_train_engine(ValueModel(frozen_copy(lm).requires_grad_(True)), info, cfg.distributed,
                                adamw(lr=1e-3), 1.0)
-    engine_copy = C.hf_engine_copy(cfg, lm, None, info)
+    config = policy_config(lm)
     policy = build_train_engine(PolicyModel(lm), info, cfg.distributed, adamw(lr=1e-3), 1.0)
+    # the HF engine as the rollout side starts it (the policy's architecture, no weights of its own), filled by the
+    # weight sync every rank joins: the full tensors gathered from the shards FSDP2 filled from rank 0
+    engine = HFEngine(engine_start(cfg, info, config, tok, folder, info.rank).lm, tok, info.device)
+    engine.update_weights(policy.full_state(engine.weight_dtype))
+    engine_copy = engine.model
     truth = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).state_dict()
     errs = {"policy": 0.0, "reference": 0.0, "value": 0.0, "hf_engine": 0.0}
     for key, model in (("policy", policy.model.lm), ("reference", ref.module.lm), ("value", value.model.lm)):

@@ -57,7 +57,7 @@ def test_a_bf16_model_is_refused_as_master_weights():
 
 
 def test_load_policy_gives_float32_for_every_source(tmp_path):
-    from fastcredit.trainer.parts import load_policy
+    from fastcredit.models.build import load_policy
     from fastcredit.config import TrainConfig
     from fastcredit.data.tokenizer import build_tiny_tokenizer
     from fastcredit.models.tiny import build_tiny_policy, save_tiny_policy

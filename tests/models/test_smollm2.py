@@ -27,7 +27,7 @@ def test_policy_smollm2_loads_as_fp32_master_weights_equal_to_the_folder(folder)
     from transformers import AutoModelForCausalLM
 
     from fastcredit.config import load_config
-    from fastcredit.trainer.parts import load_policy
+    from fastcredit.models.build import load_policy
 
     cfg = load_config(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "configs",
                                    "debug.yaml"), ["model.policy=smollm2"])

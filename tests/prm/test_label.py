@@ -11,7 +11,10 @@ import unicodedata
 
 import pytest
 
-from fastcredit.trainer import parts as C
+from fastcredit.data.build import load_data
+from fastcredit.models.build import run_tokenizer
+from fastcredit.retrieval.searcher import make_searcher
+from fastcredit.rollout.build import agent_loop
 from fastcredit.config import load_config
 from fastcredit.data.loaders import DataError, QAExample
 from fastcredit.judges.grammar import verdict_grammar
@@ -48,12 +51,12 @@ def toy(tmp_path_factory):
     base = tmp_path_factory.mktemp("label")
     overrides = [f"data.world_dir={base}/world", f"logging.output_dir={base}/run", *WORLD]
     cfg = load_config(DEBUG, overrides)
-    data = C.load_data(cfg)
-    tok = C.load_tokenizer(cfg, data, cfg.logging.output_dir)
-    searcher, _ = C.make_searcher(cfg, tok, data.corpus, progress=False)
+    data = load_data(cfg)
+    tok = run_tokenizer(cfg, data, cfg.logging.output_dir)
+    searcher, _ = make_searcher(cfg, tok, data.corpus, progress=False)
 
     def loop(p):
-        return C.agent_loop(cfg, L.ScriptedPolicy(tok, data.train, p), searcher)
+        return agent_loop(cfg, L.ScriptedPolicy(tok, data.train, p), searcher)
 
     return {"cfg": cfg, "overrides": overrides, "data": data, "tok": tok, "searcher": searcher, "loop": loop}
 

@@ -232,8 +232,11 @@ def train(data, out, *extra, entry=("-m", "fastcredit.prm.train"), env=None, che
            "--config", os.path.join(ROOT, "configs", "prm.yaml"),
            f"data.train_path={data[0]}", f"data.test_path={data[1]}", f"logging.output_dir={out}",
            "optim.micro_batch_tokens=1024", "logging.checkpoint_every=10", "logging.progress=false", *extra]
+    # one torch thread in every run, forked from the warm server or started cold (a killer script): the runs'
+    # numbers are compared to 1e-6, and float sums follow the thread count (two threads here by default outside
+    # `make test`'s workers, where a forked child and a cold process did not sum alike)
     proc = forkserver.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})})
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

@@ -124,12 +124,12 @@ def scenario_ivfpq(rank, x, q):
 
 def scenario_retriever(rank, x, q):
     """make_searcher with DistInfo on 2 ranks: the same rows and observations as one process's retriever."""
-    from fastcredit.trainer.parts import make_searcher
+    from fastcredit.retrieval.searcher import make_searcher
     from fastcredit.config import TrainConfig
     from fastcredit.distributed.process_group import DistInfo
     from fastcredit.retrieval.retriever import open_retriever
     from fastcredit.retrieval.testing import tiny_policy_tokenizer
-    from fastcredit.rollout.agent import retriever_searcher
+    from fastcredit.retrieval.searcher import retriever_searcher
 
     toy = json.load(open(f"{DATA}/toy/paths.json"))
     cfg = TrainConfig()

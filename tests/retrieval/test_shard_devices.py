@@ -28,7 +28,7 @@ def test_impossible_placements_say_why():
 
 def test_make_searcher_puts_the_retriever_on_the_process_device(monkeypatch):
     import fastcredit.retrieval.retriever as retriever_mod
-    from fastcredit.trainer.parts import make_searcher
+    from fastcredit.retrieval.searcher import make_searcher
     from fastcredit.config import load_config
 
     seen = []

@@ -55,7 +55,8 @@ def test_llama_dummy_start_streamed_weights_and_critic_switch(folders, tmp_path)
     from transformers import AutoModelForCausalLM
 
     from fastcredit.rollout.engines.vllm import VLLMEngine
-    from fastcredit.trainer.parts import vllm_start_folder
+    from fastcredit.models.build import policy_config
+    from fastcredit.rollout.build import vllm_start_folder
 
     tok, paths, prompts = folders
     fresh = {}
@@ -68,7 +69,7 @@ def test_llama_dummy_start_streamed_weights_and_critic_switch(folders, tmp_path)
     assert all(a != b for a, b in zip(fresh["policy"], fresh["critic"]))
     policy = AutoModelForCausalLM.from_pretrained(paths["policy"]).float()
     cfg = type("Cfg", (), {"model": type("M", (), {"policy": "tiny"})()})()  # a policy whose folder is not used
-    folder, load_format = vllm_start_folder(cfg, policy, tok, str(tmp_path), 0, modified=True)
+    folder, load_format = vllm_start_folder(cfg, policy_config(policy), tok, str(tmp_path), 0, modified=True)
     assert load_format == "dummy" and read_config(folder)["architectures"] == ["LlamaForCausalLM"]
     engine = VLLMEngine(folder, tok, load_format="dummy")
     engine.update_weights(policy.state_dict().items())  # the weight sync names the tied LM head too

@@ -1,5 +1,5 @@
 """``--profile`` without nsys (fastcredit.runtime.torch_profile): a torch.profiler trace in which the trainer's NVTX
-phases are record_function ranges, and the per-phase table bench/nsys_phases.py makes from nsys (shared:
+phases are record_function ranges, and the per-phase table bench/gpu/nsys_phases.py makes from nsys (shared:
 fastcredit.runtime.phase_table). A short debug run on the CPU (CPU ops standing in for kernels), then the
 attribution rules on small hand-made traces, a GPU's included."""
 import gzip

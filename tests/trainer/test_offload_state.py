@@ -137,7 +137,7 @@ def test_a_kept_hf_engine_is_never_put_to_sleep_only_its_cache_emptied(monkeypat
 
 
 def _share(monkeypatch, cfg_items, choice, free_gib=60.0, state=True):
-    from fastcredit.trainer.parts import vllm_memory_share
+    from fastcredit.trainer.roles import vllm_memory_share
 
     log, said = [], []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free_gib * GIB, 80 * GIB))

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from fastcredit.config import ConfigError, load_config, save_config
-from fastcredit.trainer.loop import check_resume
+from fastcredit.trainer.checks import check_resume
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEBUG = os.path.join(ROOT, "configs", "debug.yaml")

@@ -191,7 +191,7 @@ def test_cached_warm_start_is_made_once_and_keyed_by_its_own_seed(tmp_path):
 
 
 def test_a_warm_started_tiny_policy_is_initialised_by_the_warm_start_seed(tokenizer):
-    from fastcredit.trainer.parts import load_policy
+    from fastcredit.models.build import load_policy
     from fastcredit.config import load_config
 
     def weights(*overrides):

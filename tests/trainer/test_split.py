@@ -10,7 +10,7 @@ from fastcredit.config import ConfigError, load_config
 from fastcredit.distributed.split import SplitError, WeightInbox, split_sizes
 from fastcredit.rollout.trajectory import Turn, from_turns
 from fastcredit.trainer.split import eval_points, merge_collected
-from fastcredit.trainer.split_parts import WeightMirror
+from fastcredit.trainer.parts import WeightMirror
 from fastcredit.trainer.step import Collected
 
 

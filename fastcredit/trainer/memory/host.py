@@ -136,7 +136,7 @@ def machine_memory_gib(path: str = MEMINFO) -> Optional[float]:
 
 
 def reads_on_rank0_only(cfg, gpus: int) -> bool:
-    """``fastcredit.trainer.parts.loads_on_rank0``: under torchrun with FSDP2 a policy read from files is read on
+    """``fastcredit.models.build.loads_on_rank0``: under torchrun with FSDP2 a policy read from files is read on
     rank 0 alone; DeepSpeed, one process and the tiny policy (built in code) read it on every rank."""
     return gpus > 1 and cfg.distributed.engine == "fsdp2" and cfg.model.policy != "tiny"
 

@@ -1,7 +1,7 @@
 """The GPU path of ``make env`` on a machine without a GPU: build ``fastcredit._C`` against a CUDA build of torch
 with the Makefile's own build command, then run the Makefile's own import line in a fresh process.
 
-    python3 bench/gpu_preflight_build.py OUTDIR     # any Python >= 3.11 (stdlib only); OUTDIR/build.{json,log}
+    python3 bench/gpu/gpu_preflight_build.py OUTDIR     # any Python >= 3.11 (stdlib only); OUTDIR/build.{json,log}
 
 PyPI's Linux torch wheels are CUDA builds that import without a GPU, so this catches a build or load failure
 before a GPU machine is spent on it. Steps, with progress on stdout and every command's output in build.log:
@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "fastcredit", "cuda-venv")
 DEFAULT_TORCH = "torch==2.14.1"
 # The Makefile's first install line: with the pip that Python 3.11 bundles (23.2), `pip install -e .` runs
@@ -87,7 +87,8 @@ def makefile_gpu_commands(makefile: str) -> tuple[str, str]:
             imp = cmd
     if build is None or imp is None:
         raise ValueError(f"{makefile}: no GPU build line (FASTCREDIT_BUILD_CUDA=1 $(PY) ... --no-build-isolation) or "
-                         "no import line ($(PY) -c \"import fastcredit._C ...\"); update bench/gpu_preflight_build.py")
+                         "no import line ($(PY) -c \"import fastcredit._C ...\"); update "
+                         "bench/gpu/gpu_preflight_build.py")
     return build, imp
 
 

@@ -1,10 +1,10 @@
-"""The stages of ``make gpu-check`` (driven by ``bench/gpu_check.sh``), one per call, each writing into OUTDIR.
+"""The stages of ``make gpu-check`` (driven by ``bench/gpu/gpu_check.sh``), one per call, each writing into OUTDIR.
 
-    python bench/gpu_check.py env     OUT           # env.json: GPU, driver, torch / CUDA, optional packages
-    python bench/gpu_check.py kernels OUT           # kernels.jsonl (a line per case as it finishes), targets.json
-    python bench/gpu_check.py train   OUT           # three trainer steps: step_times.json
-    python bench/gpu_check.py rollout OUT           # async vs lockstep on the turn-skewed workload: rollout_*.json
-    python bench/gpu_check.py summary OUT           # summary.md; exit 1 on any failed stage or target
+    python bench/gpu/gpu_check.py env     OUT           # env.json: GPU, driver, torch / CUDA, optional packages
+    python bench/gpu/gpu_check.py kernels OUT           # kernels.jsonl (a line per case as it finishes), targets.json
+    python bench/gpu/gpu_check.py train   OUT           # three trainer steps: step_times.json
+    python bench/gpu/gpu_check.py rollout OUT           # async vs lockstep on the turn-skewed workload: rollout_*.json
+    python bench/gpu/gpu_check.py summary OUT           # summary.md; exit 1 on any failed stage or target
 
 Every stage records ``stage_<name>.json``: ``passed``, ``failed`` or ``not run`` with the reason
 (a stage that needs CUDA or a package that is absent is "not run", never "passed"). On a CPU
@@ -24,24 +24,13 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # here, and bench/: the benchmarks these stages run, results_io
+
+from gpu_check_common import cuda_available, record  # noqa: E402
 OPTIONAL = ("vllm", "faiss", "flash_attn", "liger_kernel", "deepspeed", "nvtx", "triton", "fastcredit._C")
 # Targets on the GPU (the issue's numbers): turn surrogate fwd+bwd at N = 8M, fused linear log-prob fwd+bwd.
 SURROGATE_BW_FRAC, SURROGATE_SPEEDUP = 0.70, 5.0
 LOGPROB_OVER_MATMUL, LOGPROB_MEM_FRAC = 1.5, 0.15
-
-
-def record(out: str, stage: str, status: str, reason: str = "", **extra) -> None:
-    with open(os.path.join(out, f"stage_{stage}.json"), "w") as f:
-        json.dump({"stage": stage, "status": status, "reason": reason, **extra}, f, indent=1)
-    print(f"[gpu-check] {stage}: {status}{' (' + reason + ')' if reason else ''}", flush=True)
-
-
-def cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def stage_env(out: str) -> None:

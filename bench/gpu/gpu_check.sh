@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Everything GPU-side in one command: bash bench/gpu_check.sh OUTDIR   (or: make gpu-check)
+# Everything GPU-side in one command: bash bench/gpu/gpu_check.sh OUTDIR   (or: make gpu-check)
 #
 # Stages, each under `timeout`, each writing into OUTDIR as it goes (a stage that times out
 # loses nothing written before it): env -> build the CUDA extension -> GPU tests and the kernel
 # tests compiled -> kernel benchmarks and targets -> three trainer steps -> two steps under torchrun on
 # every visible GPU (2 or more) -> the async-vs-lockstep rollout bench -> a step against the Search-R1
 # design, random weights -> the same, warm-started so that it searches -> an nsys profile -> with vLLM (when it imports;
-# bench/gpu_check_vllm.py): the engine starts, sleep levels 1 and 2, the critic switch, async vs lockstep, three
+# bench/gpu/gpu_check_vllm.py): the engine starts, sleep levels 1 and 2, the critic switch, async vs lockstep, three
 # colocated trainer steps, the step against the Search-R1 design -> summary.md.
 # Exit status 1 when any stage or target fails. Wheels placed in bench/wheels/ (or
 # $GPU_CHECK_WHEELS) are installed first with --no-deps (liger-kernel, nvtx, ... on a bare image).
@@ -15,8 +15,8 @@
 # On a machine without CUDA the same command runs quick shapes under the Triton interpreter and
 # reports the stages that need CUDA as "not run".
 set -uo pipefail
-OUT=${1:?usage: bash bench/gpu_check.sh OUTDIR}
-cd "$(dirname "$0")/.."
+OUT=${1:?usage: bash bench/gpu/gpu_check.sh OUTDIR}
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}
 mkdir -p "$OUT/work"
 OUT=$(cd "$OUT" && pwd)
@@ -53,7 +53,7 @@ if has_cuda; then CUDA=1; else
   echo "[gpu-check] no CUDA device: quick shapes under the Triton interpreter; CUDA stages are not run"
 fi
 
-run_stage env "$PY" bench/gpu_check.py env "$OUT"
+run_stage env "$PY" bench/gpu/gpu_check.py env "$OUT"
 
 if [ "$CUDA" = 1 ]; then
   build() {
@@ -82,10 +82,10 @@ else
   want tests && record tests "not run" "needs CUDA (the kernel tests run under the interpreter in make test)"
 fi
 
-run_stage kernels "$PY" bench/gpu_check.py kernels "$OUT"
-run_stage train "$PY" bench/gpu_check.py train "$OUT"
-run_stage ranks "$PY" bench/gpu_check_ranks.py "$OUT"
-run_stage rollout "$PY" bench/gpu_check.py rollout "$OUT"
+run_stage kernels "$PY" bench/gpu/gpu_check.py kernels "$OUT"
+run_stage train "$PY" bench/gpu/gpu_check.py train "$OUT"
+run_stage ranks "$PY" bench/gpu/gpu_check_ranks.py "$OUT"
+run_stage rollout "$PY" bench/gpu/gpu_check.py rollout "$OUT"
 
 if [ "$CUDA" = 1 ]; then
   step_stage() {  # fastcredit's step against the Search-R1 design (bench/bench_step.py), a random Qwen2.5-0.5B
@@ -143,6 +143,6 @@ elif want nsys; then
 fi
 
 # each records "not run" and why without CUDA or an importable vLLM (on the lent image: the kit, docs/gpu.md)
-for s in $VLLM_STAGES; do run_stage "$s" "$PY" bench/gpu_check_vllm.py "${s#vllm_}" "$OUT"; done
+for s in $VLLM_STAGES; do run_stage "$s" "$PY" bench/gpu/gpu_check_vllm.py "${s#vllm_}" "$OUT"; done
 
-"$PY" bench/gpu_check.py summary "$OUT"
+"$PY" bench/gpu/gpu_check.py summary "$OUT"

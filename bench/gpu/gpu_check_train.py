@@ -1,4 +1,4 @@
-"""The trainer and rollout stages of ``make gpu-check`` (bench/gpu_check.py dispatches to them): three trainer steps
+"""The trainer and rollout stages of ``make gpu-check`` (bench/gpu/gpu_check.py dispatches to them): three trainer steps
 per engine and run (step_times.json, the packed forward against the padded one), and async against lockstep rollouts
 on the turn-skewed workload; the trainer's overrides and the random policies the other stages' runs share
 (``random_policy``, ``train_overrides``)."""
@@ -12,7 +12,7 @@ import time
 import subprocess
 import sys
 
-from gpu_check import ROOT, cuda_available, record
+from gpu_check_common import ROOT, cuda_available, record
 
 TRAIN_OVERRIDES = ["optim.total_steps=3", "eval.questions=0", "logging.checkpoint_every=0",
                    "data.toy.num_questions=200"]
@@ -34,13 +34,14 @@ def random_policy(work: str, cuda: bool, name: str = "policy", seed: int = 0) ->
     few-thousand-parameter model on the CPU. ``name`` / ``seed``: a second one of the same
     architecture is the frozen critic whose weights switch into the rollout engine.
     """
-    from fastcredit.trainer import parts as components
     from fastcredit.config import load_config
+    from fastcredit.data.build import load_data
+    from fastcredit.models.build import run_tokenizer
     from fastcredit.models.tiny import build_tiny_policy, save_tiny_policy
 
     cfg = load_config(os.path.join(ROOT, "configs", "debug.yaml"),
                       [f"data.world_dir={work}/world", *train_overrides(cuda)])
-    tokenizer = components.load_tokenizer(cfg, components.load_data(cfg), work)
+    tokenizer = run_tokenizer(cfg, load_data(cfg), work)
     size = dict(hidden=1280, layers=28, heads=20) if cuda else dict(hidden=64, layers=2, heads=2)
     lm = build_tiny_policy(tokenizer, seed=seed, **size)
     print(f"[gpu-check] random Qwen2 ({name}): {sum(p.numel() for p in lm.parameters()) / 1e6:.1f}M parameters",

@@ -1,18 +1,18 @@
-"""The vLLM stages of ``make gpu-check`` (``bench/gpu_check.sh`` runs them, each writing into OUTDIR).
+"""The vLLM stages of ``make gpu-check`` (``bench/gpu/gpu_check.sh`` runs them, each writing into OUTDIR).
 
-    python bench/gpu_check_vllm.py engine  OUT   # the engine starts: a random Qwen2.5-0.5B shape, the demo policy
-    python bench/gpu_check_vllm.py sleep   OUT   # sleep level 1, level 2, wake: GiB freed, greedy tokens unchanged
-    python bench/gpu_check_vllm.py critic  OUT   # a critic switched into the engine and back vs a fresh engine
-    python bench/gpu_check_vllm.py rollout OUT   # async vs lockstep on the turn-skewed workload (target >= 1.5x)
-    python bench/gpu_check_vllm.py train   OUT   # three colocated trainer steps (rollout, sleep, train, wake, sync)
-    python bench/gpu_check_vllm.py step    OUT   # the step against the Search-R1 design (target <= 0.4x)
+    python bench/gpu/gpu_check_vllm.py engine  OUT   # the engine starts: a random Qwen2.5-0.5B shape, the demo policy
+    python bench/gpu/gpu_check_vllm.py sleep   OUT   # sleep level 1, level 2, wake: GiB freed, greedy tokens unchanged
+    python bench/gpu/gpu_check_vllm.py critic  OUT   # a critic switched into the engine and back vs a fresh engine
+    python bench/gpu/gpu_check_vllm.py rollout OUT   # async vs lockstep on the turn-skewed workload (target >= 1.5x)
+    python bench/gpu/gpu_check_vllm.py train   OUT   # three colocated trainer steps (rollout, sleep, train, wake, sync)
+    python bench/gpu/gpu_check_vllm.py step    OUT   # the step against the Search-R1 design (target <= 0.4x)
 
 Each records ``stage_vllm_<name>.json`` (``passed``, ``failed`` or ``not run`` with the reason) and its figures in
-``vllm_<name>.json``. They need CUDA and an importable vLLM (on the lent image: the kit of bench/vllm_kit.py); without
-either they say "not run" and why. vLLM's sleep-mode allocator is one per process, so every engine starts in a child
-process of its own (``child``), which writes what it saw to a JSON file:
+``vllm_<name>.json``. They need CUDA and an importable vLLM (on the lent image: the kit of bench/gpu/vllm_kit.py);
+without either they say "not run" and why. vLLM's sleep-mode allocator is one per process, so every engine starts in a
+child process of its own (``child``), which writes what it saw to a JSON file:
 
-    python bench/gpu_check_vllm.py child greedy|sleep|switch FOLDER JSON [--critic FOLDER] [--device cuda]
+    python bench/gpu/gpu_check_vllm.py child greedy|sleep|switch FOLDER JSON [--critic FOLDER] [--device cuda]
 """
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+BENCH = os.path.dirname(HERE)  # the benchmarks these stages run, and results_io
+ROOT = os.path.dirname(BENCH)
+sys.path[:0] = [HERE, BENCH]
 STAGES = ("engine", "sleep", "critic", "rollout", "train", "step")
 PROMPTS = ["Who founded the river company?", "Where is the tallest tower?", "<search>the old bridge</search>",
            "Which city hosts the annual fair, and when?"]
@@ -60,15 +61,16 @@ def shape_policy(work: str, name: str, seed: int, cuda: bool) -> str:
     """A random Qwen2 of Qwen2.5-0.5B's layers, widths, heads and vocabulary rows (on a CPU: a tiny one) over the toy
     world's tokenizer, saved as an HF folder; returns the folder. ``seed`` 1 makes the critic of the same shape."""
     from fastcredit.config import load_config
+    from fastcredit.data.build import load_data
+    from fastcredit.models.build import run_tokenizer
     from fastcredit.models.tiny import build_tiny_policy, save_tiny_policy
-    from fastcredit.trainer import parts
     from fastcredit.trainer.memory import PRESETS
 
     folder = os.path.join(work, name)
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
     cfg = load_config(os.path.join(ROOT, "configs", "debug.yaml"), [f"data.world_dir={work}/world"])
-    tok = parts.load_tokenizer(cfg, parts.load_data(cfg), work)
+    tok = run_tokenizer(cfg, load_data(cfg), work)
     s = PRESETS["qwen2.5-0.5b"]
     size = dict(hidden=s.heads * s.head_dim, layers=s.layers, heads=s.heads, kv_heads=s.kv_heads,
                 intermediate=s.intermediate, vocab_rows=s.vocab) if cuda else dict(hidden=64, layers=2, heads=2)
@@ -81,8 +83,11 @@ def demo_policy(work: str, cuda: bool, questions: int = 1500) -> str:
     import torch
 
     from fastcredit.config import load_config
+    from fastcredit.data.build import load_data
     from fastcredit.distributed.process_group import DistInfo
-    from fastcredit.trainer import parts
+    from fastcredit.models.build import load_policy, run_tokenizer
+    from fastcredit.retrieval.searcher import make_searcher
+    from fastcredit.trainer.sft import warm_start
 
     folder = os.path.join(work, "demo_policy")
     if os.path.exists(os.path.join(folder, "config.json")):
@@ -91,12 +96,12 @@ def demo_policy(work: str, cuda: bool, questions: int = 1500) -> str:
         f"data.world_dir={work}/demo_world", f"warmstart.questions={questions}", "warmstart.epochs=1",
         "warmstart.lr=5e-4", f"warmstart.cache_dir={work}/warmstart", "logging.progress=false"])
     device = torch.device("cuda" if cuda else "cpu")
-    data = parts.load_data(cfg)
-    tok = parts.load_tokenizer(cfg, data, os.path.join(work, "demo_tokenizer"))
-    lm = parts.load_policy(cfg, tok)
-    searcher, _ = parts.make_searcher(cfg, tok, data.corpus, progress=False, device=device)
+    data = load_data(cfg)
+    tok = run_tokenizer(cfg, data, os.path.join(work, "demo_tokenizer"))
+    lm = load_policy(cfg, tok)
+    searcher, _ = make_searcher(cfg, tok, data.corpus, progress=False, device=device)
     info = DistInfo(device=device)
-    parts.warm_start(lm, cfg, data, tok, searcher, info, lambda msg: print(f"[gpu-check] {msg}", flush=True))
+    warm_start(lm, cfg, data, tok, searcher, info, lambda msg: print(f"[gpu-check] {msg}", flush=True))
     lm.cpu().save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
     return folder
@@ -184,7 +189,7 @@ def run_child(out: str, mode: str, folder: str, name: str, critic: str | None = 
     cmd += ["--critic", critic] if critic else []
     from results_io import child_env
 
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200, env=child_env(ROOT, HERE))
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200, env=child_env(ROOT, HERE, BENCH))
     with open(os.path.join(out, f"{name}.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
     if proc.returncode or not os.path.exists(path):
@@ -268,10 +273,10 @@ def stage_train(out: str, work: str, device: str) -> tuple:
 def stage_step(out: str, work: str, device: str) -> tuple:
     from results_io import child_env
 
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "bench_step.py"), "--shape", "Qwen2.5-0.5B",
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "bench_step.py"), "--shape", "Qwen2.5-0.5B",
                            "--steps", "3", "--warmup", "1", "--tag", "vllm", "--out", out,
                            "--work", os.path.join(work, "step_vllm"), "rollout.engine=vllm"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=1800, env=child_env(ROOT, HERE))
+                          capture_output=True, text=True, cwd=ROOT, timeout=1800, env=child_env(ROOT, HERE, BENCH))
     with open(os.path.join(out, "vllm_step_bench.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
     if proc.returncode:

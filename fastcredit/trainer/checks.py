@@ -1,0 +1,49 @@
+"""What a training run checks of its config, once, before anything loads or a process group starts.
+
+    check_run(cfg, resume)     # the estimator's needs, the local paths, and with --resume the saved run's settings
+
+The training command runs it on every rank before ``init_distributed`` (a ConfigError there exits 2 on every rank
+together); so do the benchmarks that build a Trainer themselves. The Trainer and the builders take the config it
+passed and do not check again.
+"""
+from __future__ import annotations
+
+import os
+
+from fastcredit.config import ConfigError, TrainConfig, config_drift, load_config
+from fastcredit.config.checks import check_paths
+from fastcredit.credit.needs import check_needs
+
+
+# What a resumed run may change: keys that extend it (more steps), observe it (logging, evaluation cadence) or
+# only plan it (distributed.gpus).
+RESUME_MAY_CHANGE = ("optim.total_steps", "logging.", "eval.every", "run_name", "distributed.gpus")
+
+
+def check_run(cfg: TrainConfig, resume: bool = False) -> None:
+    """Every check a training run makes of its config, once, before anything loads or a process group starts: the
+    estimator's needs (a judge, a PRM, ProCeed rollouts: ``fastcredit.credit.needs``), the local paths it names
+    (``fastcredit.config.checks.check_paths``), and with ``resume`` that the saved run was made with these
+    settings (:func:`check_resume`). A ConfigError names what is wrong."""
+    check_needs(cfg)
+    check_paths(cfg)
+    if resume:
+        check_resume(cfg)  # before the saved config.yaml is replaced
+
+
+def check_resume(cfg: TrainConfig) -> None:
+    """``--resume`` continues the run saved in ``logging.output_dir`` only with the settings it was made with: a
+    ConfigError names every other key whose value differs from the saved ``config.yaml``."""
+    saved = os.path.join(cfg.logging.output_dir, "config.yaml")
+    if not os.path.exists(saved):
+        return
+    try:
+        before = load_config(saved)
+    except ConfigError as exc:
+        raise ConfigError(f"--resume: the run's saved config does not load ({exc})") from exc
+    drift = config_drift(before, cfg, ignore=RESUME_MAY_CHANGE)
+    if drift:
+        may = ", ".join(k + "*" if k.endswith(".") else k for k in RESUME_MAY_CHANGE)
+        raise ConfigError(f"--resume: {saved} was made with other settings: {'; '.join(drift)}. A resumed run may "
+                          f"change only {may}; start a new run without --resume (the old one moves to previous/) or "
+                          "in another logging.output_dir")
