@@ -31,7 +31,7 @@ def build_train_engine(module: nn.Module, info: DistInfo, dcfg, make_optimizer: 
     """``module`` (fp32: its parameters become the master weights) wrapped by the engine ``dcfg.engine`` names
     (a ``DistributedConfig``), with its optimizer; ``param_dtype``: the compute dtype (:func:`compute_dtype`).
 
-    Ranks other than 0 may hold ``module`` on the meta device (``components.load_policy``): FSDP2
+    Ranks other than 0 may hold ``module`` on the meta device (``fastcredit.models.build.load_policy``): FSDP2
     then fills their shards from rank 0's weights (``fastcredit.distributed.from_rank0``)."""
     bad = sorted({str(p.dtype) for p in module.parameters() if p.dtype != torch.float32})
     if bad:

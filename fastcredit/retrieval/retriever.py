@@ -222,7 +222,7 @@ def from_config(rcfg, tokenizer=None, corpus: Optional[str] = None, progress: bo
 
     ``corpus`` is used when ``rcfg.corpus`` is unset (the trainer passes the toy world's).
     ``device``: where ``rcfg.device`` is put when given (the trainer passes its rank's own GPU,
-    so the index's first shard and the encoder live there; see ``components.make_searcher``).
+    so the index's first shard and the encoder live there; see ``fastcredit.retrieval.searcher.make_searcher``).
     ``rank`` / ``world_size`` / ``group``: the torchrun ranks; with ``rcfg.across_ranks=shard``
     and more than one, every rank calls this together and holds only its rows of the index.
     ``rcfg.build_index`` decides what is built (``fastcredit.config.checks.check_index``): by default

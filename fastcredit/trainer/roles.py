@@ -128,7 +128,9 @@ def engine_start(cfg: TrainConfig, info, policy_config, tokenizer, out_dir: str,
         from transformers import AutoModelForCausalLM
 
         dtype = compute_dtype(cfg.distributed, info, cfg.model.dtype)
-        with torch.random.fork_rng(devices=[info.device] if info.device.type == "cuda" else []):
+        # made where it runs (no host copy of the policy), its random values drawn on generators saved and restored
+        with torch.random.fork_rng(devices=[info.device] if info.device.type == "cuda" else []), \
+                torch.device(info.device):
             lm = AutoModelForCausalLM.from_config(policy_config, dtype=dtype)
         return EngineStart(lm=lm.requires_grad_(False).eval())
     folder, load_format = vllm_start_folder(cfg, policy_config, tokenizer, out_dir, rank, cfg.warmstart.enabled)

@@ -22,10 +22,10 @@ OS and everything else on it: 5%, at least 4 GiB. Pinned and pageable copies cou
   4P, on each rank that reads it: rank 0 alone under torchrun with FSDP2 (the others build it on
   the meta device and receive their shards, ``fastcredit.distributed.from_rank0``); every rank
   with DeepSpeed, on one process, or for the tiny policy (built in code). Beside it a fp32
-  deepcopy, 4P, while the reference, the value model or the HF engine's copy is made from it
-  (``components.frozen_copy`` copies before it casts); with the HF engine on every rank its
-  bf16 copy, 2P, waits on the CPU while a reference or value model is copied after it; with a
-  value model the reference's shard, 2P/S on every rank, is already offloaded.
+  deepcopy, 4P, while the reference or the value model is made from it
+  (``fastcredit.models.build.frozen_copy`` copies before it casts); with a value model the
+  reference's shard, 2P/S on every rank, is already offloaded. The HF engine's model is made on
+  its GPU and filled by the weight sync (``fastcredit.trainer.roles.engine_start``): no host copy.
 * rollout and judge, colocated: the training state offloaded, 16P/S a trained model
   (``FSDP2Engine.offload``: fp32 params and grads pageable, AdamW moments pinned; DeepSpeed's
   ``offload_states``, pinned, with ZeRO-2's replicated bf16 params, 2P); the reference's bf16
@@ -64,14 +64,14 @@ STARTUP = "start-up"
 
 HOST_LABELS = {
     "process": "process: Python, torch, CUDA (est.)", "loaded": "policy fp32, read from files",
-    "copy": "its fp32 copy being made", "engine_copy": "HF engine copy, not yet on the GPU",
+    "copy": "its fp32 copy being made",
     "offloaded": "training state, offloaded", "cpu_offload": "training state (cpu_offload)",
     "reference": "reference bf16 shard, offloaded", "critic": "frozen critic bf16 (pinned)",
     "judge_engine": "judge's own engine, asleep", "engine": "policy engine weights, asleep",
     "index": "retrieval index (CPU)", "encoder": "query encoder fp32 (CPU)",
     "tokens": "passage token store (page cache)",
 }
-LOADER_ROWS = ("loaded", "copy", "engine_copy")  # on each rank that reads the policy, at start-up
+LOADER_ROWS = ("loaded", "copy")  # on each rank that reads the policy, at start-up
 NODE_ROWS = ("tokens",)                          # once per node
 
 
@@ -161,16 +161,13 @@ def resident_rows(cfg, gpus: int, idx: Optional[IndexSize], shape: ModelShape, s
 
 
 def startup_rows(cfg, shape: ModelShape, gpus: int, shard: int, moves: bool) -> dict:
-    """The start-up peak's own rows (see the module docstring): the policy as read, its copy, the HF engine's
-    copy and the offloaded reference shard (``moves``: the training state leaves the GPU), whichever the models
-    built after the policy need."""
+    """The start-up peak's own rows (see the module docstring): the policy as read, its copy and the offloaded
+    reference shard (``moves``: the training state leaves the GPU), whichever the models built after the policy
+    need."""
     reference, value = uses_reference(cfg), "value" in trained_params(cfg, shape)
-    hf_engine = cfg.rollout.engine == "hf"
     rows = {"loaded": 4 * shape.params}
-    if reference or value or hf_engine:
+    if reference or value:
         rows["copy"] = 4 * shape.params
-    if hf_engine and (reference or value) and not reads_on_rank0_only(cfg, gpus):
-        rows["engine_copy"] = (2 if cfg.distributed.mixed_precision else 4) * shape.params
     if reference and value and moves:
         rows["reference"] = reference_bytes(cfg, shape, shard)
     return rows
