@@ -8,7 +8,6 @@ import os
 import struct
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -250,14 +249,12 @@ def test_the_report_loads_nothing():
             "heavy = [m for m in ('fastcredit.trainer.loop', 'fastcredit.trainer.parts', 'vllm', 'transformers',"
             " 'faiss', 'fastcredit.retrieval.indexes') if m in sys.modules]\n"
             "print('RESULT', rc, heavy, dist.is_initialized(), round(time.time() - t, 1))\n")
-    t0 = time.time()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
                           env={**os.environ, "WORLD_SIZE": "8"})
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
     assert line, proc.stderr[-2000:]
-    _, rc, heavy, group, seconds = line[0].split()
+    _, rc, heavy, group, _ = line[0].split()
     assert (rc, heavy, group) == ("0", "[]", "False")  # no trainer, model code or index; no process group
-    assert float(seconds) < 20 and time.time() - t0 < 60
 
 
 # ---- host RAM per node (fastcredit.trainer.memory.host); figures written out from its docstring's formulas
