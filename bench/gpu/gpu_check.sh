@@ -25,7 +25,8 @@ export OUT PY STAGE_TIMEOUT
 
 has_cuda() { "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
 record() {  # stage status reason
-  "$PY" -c "import sys, json; json.dump({'stage': sys.argv[1], 'status': sys.argv[2], 'reason': sys.argv[3]}, open(sys.argv[4], 'w'))" \
+  "$PY" -c "import sys, json
+json.dump({'stage': sys.argv[1], 'status': sys.argv[2], 'reason': sys.argv[3]}, open(sys.argv[4], 'w'))" \
     "$1" "$2" "$3" "$OUT/stage_$1.json"
   echo "[gpu-check] $1: $2${3:+ ($3)}"
 }
@@ -40,7 +41,8 @@ run_stage() {  # name, then a command or an exported function; a timeout or cras
   timeout "$STAGE_TIMEOUT" bash -c '"$@"' "$name" "$@" 2>&1 | tee "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
   if [ ! -f "$OUT/stage_$name.json" ]; then
-    if [ "$rc" = 124 ]; then record "$name" failed "timed out after ${STAGE_TIMEOUT} s"; else record "$name" failed "exit $rc"; fi
+    if [ "$rc" = 124 ]; then record "$name" failed "timed out after ${STAGE_TIMEOUT} s"
+    else record "$name" failed "exit $rc"; fi
   fi
 }
 
@@ -66,10 +68,12 @@ if [ "$CUDA" = 1 ]; then
   tests() {
     local timeout_flag=""
     "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_flag="--timeout=300"
-    "$PY" -m pytest -q -p no:cacheprovider $timeout_flag -o faulthandler_timeout=300 --junitxml "$OUT/tests_kernels.xml" \
+    "$PY" -m pytest -q -p no:cacheprovider $timeout_flag -o faulthandler_timeout=300 \
+      --junitxml "$OUT/tests_kernels.xml" \
       tests/kernels tests/retrieval/test_retrieval_ops.py tests/test_build.py
     local a=$?
-    "$PY" -m pytest -q -p no:cacheprovider -m gpu $timeout_flag -o faulthandler_timeout=300 --junitxml "$OUT/tests_gpu.xml" \
+    "$PY" -m pytest -q -p no:cacheprovider -m gpu $timeout_flag -o faulthandler_timeout=300 \
+      --junitxml "$OUT/tests_gpu.xml" \
       tests --ignore=tests/kernels --ignore=tests/retrieval/test_retrieval_ops.py
     local b=$?
     if [ $a = 0 ] && [ $b = 0 ]; then record tests passed "junit: tests_kernels.xml, tests_gpu.xml"
@@ -89,8 +93,8 @@ run_stage rollout "$PY" bench/gpu/gpu_check.py rollout "$OUT"
 
 if [ "$CUDA" = 1 ]; then
   step_stage() {  # fastcredit's step against the Search-R1 design (bench/bench_step.py), a random Qwen2.5-0.5B
-    PYTHONPATH=".:bench${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/bench_step.py --shape Qwen2.5-0.5B --steps 3 --warmup 1 --out "$OUT" \
-      --work "$OUT/work/step" && record step passed "step_Qwen2.5-0.5B_*.{json,md,png}" || record step failed "see step.log"
+    PYTHONPATH=".:bench${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/bench_step.py --shape Qwen2.5-0.5B --steps 3 \
+      --warmup 1 --out "$OUT" --work "$OUT/work/step" && record step passed "step_Qwen2.5-0.5B_*.{json,md,png}" || record step failed "see step.log"
   }
   export -f step_stage
   run_stage step step_stage
@@ -117,7 +121,8 @@ if [ "$CUDA" = 1 ] && [ "$GPUS" -ge 2 ]; then
     ENGINE=$("$PY" -c "import importlib.util as u; print('vllm' if u.find_spec('vllm') else 'hf')")
     PYTHONPATH=".:bench${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/bench_step.py --placement split --staleness 0,1,2 \
       --shape Qwen2.5-0.5B --steps 4 --warmup 1 --out "$OUT" --work "$OUT/work/split" rollout.engine=$ENGINE \
-      && record split passed "step_split_Qwen2.5-0.5B_*.{json,md} (engine $ENGINE)" || record split failed "see split.log"
+      && record split passed "step_split_Qwen2.5-0.5B_*.{json,md} (engine $ENGINE)" \
+      || record split failed "see split.log"
   }
   export -f split_stage
   run_stage split split_stage

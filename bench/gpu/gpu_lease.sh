@@ -11,7 +11,8 @@
 # and builds the vLLM kit into .whl/vllm_kit/ (bench/gpu/vllm_kit.py: vllm 0.24.0 slimmed and the requirements the image
 # lacks, in parts that each fit one transfer, with a manifest of sha256 sums). `ferry` prints the calls that carry
 # each part, one per call, while the machine stays warm. `run` checks the kit's parts against the manifest when they
-# are there, installs the kit, faiss and the encoder into /tmp/site, then runs bench/gpu/gpu_check.sh one stage at a time, each with the time left
+# are there, installs the kit, faiss and the encoder into /tmp/site, then runs bench/gpu/gpu_check.sh one stage at a
+# time, each with the time left
 # (FIRST: set-up stages; PARALLEL: one stage beside the first of SERIAL, e.g. the tests beside train; SERIAL: in
 # order). After each stage it packs the check's folder (without its scratch work/) into PACK/gc.tgz, so a call cut
 # short still returns every stage that finished. The GPU-only stages are those of bench/gpu/gpu_check.sh.
@@ -76,7 +77,8 @@ run() {
     local left=$((deadline - $(date +%s))); local t=$(( $2 < left ? $2 : left ))
     if [ "$t" -lt 20 ]; then echo "[lease] $1 skipped: $left s left"; return; fi
     echo "[lease] $1 (at most $t s) from $(( $(date +%s) - t0 )) s"
-    GPU_CHECK_STAGES="$1" GPU_CHECK_STAGE_TIMEOUT=$t PYTHON="$PY" bash bench/gpu/gpu_check.sh "$R" > "$R/lease_$1.out" 2>&1
+    GPU_CHECK_STAGES="$1" GPU_CHECK_STAGE_TIMEOUT=$t PYTHON="$PY" bash bench/gpu/gpu_check.sh "$R" \
+      > "$R/lease_$1.out" 2>&1
     grep "^\[gpu-check\] $1:" "$R/lease_$1.out"; packed "$1"
   }
   local s first=1

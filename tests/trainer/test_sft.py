@@ -17,6 +17,11 @@ SMALL = ToyWorldConfig(num_people=60, num_cities=15, num_countries=5, num_univer
                        num_bands=10, num_questions=80)
 
 
+def _observer(tokenizer):
+    """What the SFT sequences wrap a search's result in: ``<information>…</information>`` token ids."""
+    return lambda query: tokenizer(f"<information>{query}</information>", add_special_tokens=False)["input_ids"]
+
+
 @pytest.fixture(scope="module")
 def world():
     return generate_world(SMALL)
@@ -83,7 +88,7 @@ def testlabelled_cross_entropy_matches_the_full_logits_loss(tokenizer):
 def test_warm_start_lowers_the_loss_and_leaves_no_gradients(world, tokenizer):
     lm = build_tiny_policy(tokenizer, hidden=32, layers=2, heads=2, seed=0)
     qs = world.questions[:48]
-    observe = lambda query: tokenizer(f"<information>{query}</information>", add_special_tokens=False)["input_ids"]  # noqa: E731
+    observe = _observer(tokenizer)
     seqs = sft_sequences(qs, [tokenizer(q.question)["input_ids"] for q in qs], tokenizer, observe)
     losses = sft_train(lm, seqs, pad_id=0, epochs=6, lr=1e-2, batch_size=8, progress=False)
     assert len(losses) == 6 and losses[-1] < 0.7 * losses[0], losses
@@ -96,7 +101,7 @@ def test_warm_start_trains_a_policy_read_onto_the_cpu_on_the_gpu(world, tokenize
     batches on cuda, embedding on the CPU)."""
     lm = build_tiny_policy(tokenizer, hidden=32, layers=2, heads=2, seed=0)
     qs = world.questions[:16]
-    observe = lambda query: tokenizer(f"<information>{query}</information>", add_special_tokens=False)["input_ids"]  # noqa: E731
+    observe = _observer(tokenizer)
     seqs = sft_sequences(qs, [tokenizer(q.question)["input_ids"] for q in qs], tokenizer, observe)
     losses = sft_train(lm, seqs, pad_id=0, epochs=2, lr=1e-2, batch_size=8, device="cuda", progress=False)
     assert len(losses) == 2 and all(p.device.type == "cuda" for p in lm.parameters())
