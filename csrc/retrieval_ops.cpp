@@ -31,7 +31,8 @@ std::tuple<at::Tensor, at::Tensor> merge_topk_cuda(const at::Tensor& scores_in, 
   check_cuda(scores_in, "scores", at::kFloat, device);
   check_cuda(ids_in, "ids", at::kLong, device);
   TORCH_CHECK(scores_in.dim() == 3, "fastcredit: scores must be [shards, queries, k], got ", scores_in.sizes());
-  TORCH_CHECK(ids_in.sizes() == scores_in.sizes(), "fastcredit: ids ", ids_in.sizes(), " != scores ", scores_in.sizes());
+  TORCH_CHECK(ids_in.sizes() == scores_in.sizes(), "fastcredit: ids ", ids_in.sizes(), " != scores ",
+              scores_in.sizes());
   const int64_t S = scores_in.size(0), Q = scores_in.size(1), K = scores_in.size(2);
   TORCH_CHECK(k >= 0 && k <= S * K, "fastcredit: k=", k, " must lie in [0, shards * k_in = ", S * K, "]");
   const c10::cuda::CUDAGuard guard(device);

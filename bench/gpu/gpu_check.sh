@@ -94,7 +94,8 @@ run_stage rollout "$PY" bench/gpu/gpu_check.py rollout "$OUT"
 if [ "$CUDA" = 1 ]; then
   step_stage() {  # fastcredit's step against the Search-R1 design (bench/bench_step.py), a random Qwen2.5-0.5B
     PYTHONPATH=".:bench${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/bench_step.py --shape Qwen2.5-0.5B --steps 3 \
-      --warmup 1 --out "$OUT" --work "$OUT/work/step" && record step passed "step_Qwen2.5-0.5B_*.{json,md,png}" || record step failed "see step.log"
+      --warmup 1 --out "$OUT" --work "$OUT/work/step" \
+      && record step passed "step_Qwen2.5-0.5B_*.{json,md,png}" || record step failed "see step.log"
   }
   export -f step_stage
   run_stage step step_stage

@@ -79,7 +79,10 @@ def say(msg: str) -> None:
 def makefile_gpu_commands(makefile: str) -> tuple[str, str]:
     """The Makefile's GPU-stack build line and import line, as written there (``$(PY)`` not yet substituted)."""
     build = imp = None
-    for line in open(makefile, encoding="utf-8"):
+    with open(makefile, encoding="utf-8") as f:
+        text = f.read()
+    # A recipe line may go on over several lines ending in a backslash: make joins them, and so does this.
+    for line in re.sub(r"\\\n\s*", " ", text).splitlines():
         cmd = line.strip()
         if cmd.startswith("FASTCREDIT_BUILD_CUDA=1 $(PY)") and "--no-build-isolation" in cmd:
             build = cmd
