@@ -52,7 +52,14 @@ def test_a_profiled_debug_run_writes_the_trace_and_the_phase_table(tmp_path, cap
     for phase in ("rollout", "update", "old_logprobs"):  # the profile's ranges are the timers' phases
         assert rows[phase]["ratio"] == pytest.approx(1.0, abs=0.05), phase
         assert 0 < rows[phase]["device_s_per_step"] and rows[phase]["top"], phase
-    assert rows["update"]["top"][0][0].startswith("aten::") and rows["step"]["share"] == 1.0
+    # The heaviest ops of the update are the trace's own ops, heaviest first, within the phase's time. Which op wins
+    # is the CPU's business (an aten op, or the Python dispatch of a tensor subclass): not asserted.
+    ops = {e["name"] for e in events if e.get("cat") == "cpu_op"}
+    top = rows["update"]["top"]
+    seconds = [s for _, s in top]
+    assert {name for name, _ in top} <= ops and seconds == sorted(seconds, reverse=True)
+    assert 0 < sum(seconds) <= rows["update"]["device_s_per_step"] * (1 + 1e-9)
+    assert rows["step"]["share"] == 1.0
     table = (out / "profile" / "phases_rank0.md").read_text()
     head = "| phase | torch s/step | share of step | CPU-op s/step | instances | timers s/step | torch/timers |"
     assert head in table
