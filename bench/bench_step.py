@@ -216,6 +216,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.steps < 1 or a.warmup < 0:
         p.error("--steps must be at least 1 and --warmup at least 0")
+    from fastcredit.runtime.progress import quiet_library_bars
+
+    quiet_library_bars()  # a log gets plain progress lines, not the libraries' bar frames
     work = a.work = a.work or tempfile.mkdtemp(prefix="bench_step_")
     world = os.path.join(work, "world")
     # one warm start (a config that enables one) for both designs: its cache key leaves out where the searches go,

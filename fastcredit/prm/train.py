@@ -283,8 +283,8 @@ class PRMTrainer:
                 m.update(scores)
                 if scores:
                     self.say(f"step {self.step}: {eval_line(scores)}")
+            bar.set_postfix(loss=f"{m['loss']:.4f}", refresh=False)
             bar.update(1)
-            bar.set_postfix(loss=f"{m['loss']:.4f}")
             self.logger.log(self.step, m, console=False)
             if self.step % cfg.logging.log_every == 0:
                 self.say(self._console(m))

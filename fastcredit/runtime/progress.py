@@ -1,7 +1,7 @@
 """Progress that suits where it goes: a tqdm bar on a terminal, plain lines in a log.
 
     bar = progress_bar(total=40, desc="train", unit="step")
-    bar.update(1); bar.set_postfix(loss="0.412", em="0.31")
+    bar.set_postfix(loss="0.412", em="0.31"); bar.update(1)  # the figures first: a line printed by the update has them
     bar.close()
 
 A bar redraws itself with carriage returns several times a second: on a terminal that is one line that moves, but
@@ -92,7 +92,7 @@ class LineProgress:
         self.disable, self.file, self.every_s, self.clock = disable, file, every_s, clock
         self.postfix = ""
         self.start = self.last = clock()
-        self.printed_n: Optional[float] = None
+        self.printed: Optional[tuple] = None  # (n, postfix) of the last line printed
         self.closed = False
 
     def __enter__(self) -> "LineProgress":
@@ -117,11 +117,12 @@ class LineProgress:
         pass
 
     def close(self) -> None:
-        """The last line (unless nothing moved, or the newest figures were just printed)."""
+        """The last line (unless nothing moved, or the newest count and figures were just printed: a postfix set
+        after the update that printed its line still gets a line)."""
         if self.closed:
             return
         self.closed = True
-        if not self.disable and self.n != self.start_n and self.printed_n != self.n:
+        if not self.disable and self.n != self.start_n and self.printed != (self.n, self.postfix):
             self._print()
 
     def line(self) -> str:
@@ -145,7 +146,7 @@ class LineProgress:
     def _print(self) -> None:
         stream = self.file if self.file is not None else sys.stderr
         print(self.line(), file=stream, flush=True)
-        self.last, self.printed_n = self.clock(), self.n
+        self.last, self.printed = self.clock(), (self.n, self.postfix)
 
 
 def progress_bar(total: Optional[float] = None, desc: str = "", unit: str = "it", initial: float = 0,

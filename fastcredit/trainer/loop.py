@@ -146,9 +146,9 @@ class Trainer:
                 m.update(scores)
                 if scores:
                     self.say(f"held-out EM after {self.step} steps: {eval_line(scores)}")
+            bar.set_postfix(loss=f"{m.get('actor/pg_loss', 0):.3g}", reward=f"{m.get('reward', 0):.3f}",
+                            em=f"{m.get('em', 0):.3f}", refresh=False)
             bar.update(1)
-            bar.set_postfix(loss=f"{m.get('pg_loss', 0):.3g}", reward=f"{m.get('reward', 0):.3f}",
-                            em=f"{m.get('em', 0):.3f}")
             self.logger.log(self.step, m, console=self.step % cfg.logging.log_every == 0)
             every = cfg.logging.checkpoint_every
             if (every and self.step % every == 0) or self.step == cfg.optim.total_steps:

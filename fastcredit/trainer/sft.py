@@ -137,8 +137,8 @@ def _sft_train(model, seqs, pad_id: int, epochs: int, lr: float, batch_size: int
             opt.step()
             sched.step()
             total, n = total + loss.item(), n + 1
+            bar.set_postfix(loss=f"{total / n:.3f}", refresh=False)
             bar.update(1)
-            bar.set_postfix(loss=f"{total / n:.3f}")
         history.append(total / max(n, 1))
         if on_epoch is not None:
             on_epoch(len(history), history[-1])

@@ -36,6 +36,26 @@ def test_lines_come_at_most_every_interval_and_once_at_the_end():
     assert lines[-1] == "train: 40/40 steps (100%), 3m20s elapsed, 5 s/step, loss=0.4120, em=0.310"
 
 
+def test_the_last_line_has_the_last_steps_figures_whichever_order_they_are_set_in():
+    """The trainer sets a step's figures, then counts the step; a caller that counts first and sets the figures after
+    still ends with a line of the last step's figures (the update had printed the step before's)."""
+    for figures_first in (True, False):
+        clock, buf = Clock(), io.StringIO()
+        bar = P.LineProgress(total=4, desc="train", unit="step", file=buf, clock=clock, every_s=10.0)
+        for step in range(1, 5):
+            clock.t += 5.0  # a line at steps 2 and 4 (10 s apart)
+            if figures_first:
+                bar.set_postfix(reward=f"0.{step}")
+            bar.update(1)
+            if not figures_first:
+                bar.set_postfix(reward=f"0.{step}")
+        bar.close()
+        lines = _lines(buf)
+        assert lines[-1] == "train: 4/4 steps (100%), 20s elapsed, 5 s/step, reward=0.4", figures_first
+        assert len(lines) == (2 if figures_first else 3)  # counting first: the line of step 4 printed once more
+        assert lines[0].endswith("reward=0.2" if figures_first else "reward=0.1")
+
+
 def test_a_fast_bar_prints_its_rate_per_second_and_nothing_before_the_interval():
     clock, buf = Clock(), io.StringIO()
     with P.LineProgress(total=2_000_000, desc="embeddings", unit="passage", file=buf, clock=clock,
