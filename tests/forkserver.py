@@ -12,9 +12,10 @@ child that takes the request's environment, working folder, argv and output file
 of its own: its output is its own, it can be signalled (its pid is known), and its exit status comes back as
 subprocess reports it (``-N`` for signal N).
 
-Anything other than ``[python, "-m", "fastcredit.<command>", ...]`` (torchrun, a script, ``-c``: a test that asks
-what a fresh process imports must get one), a platform without fork, or
-``FASTCREDIT_TEST_FORKSERVER=0`` goes to ``subprocess.run`` unchanged.
+A script (``[python, "path.py", ...]``, run as ``python path.py`` runs it: its folder first on sys.path) and a
+torchrun (``[python, "-m", "torch.distributed.run", ...]``) are forked the same way, the torchrun's ranks from a
+zygote of its own (tests/rankzygote.py). Anything else (``-c``: a test that asks what a fresh process imports must
+get one), a platform without fork, or ``FASTCREDIT_TEST_FORKSERVER=0`` goes to ``subprocess.run`` unchanged.
 """
 from __future__ import annotations
 
@@ -29,8 +30,14 @@ import tempfile
 import traceback
 from typing import Optional
 
+try:
+    from tests import rankzygote
+except ImportError:  # the server, run as a script: this folder is sys.path[0]
+    import rankzygote
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 # What a trainer, evaluator or exporter process imports first, and takes seconds to: imported once, by the server.
+TORCHRUN = "torch.distributed.run"
 PRELOAD = ("torch", "torch.distributed", "numpy", "yaml", "transformers", "tokenizers", "matplotlib")
 PRELOAD_NAMES = (("transformers", ("PreTrainedModel", "Qwen2Config", "Qwen2ForCausalLM", "PreTrainedTokenizerFast",
                                    "AutoTokenizer", "AutoModelForCausalLM")),)
@@ -63,6 +70,20 @@ def _read_line(conn: socket.socket) -> bytes:
 
 def _child(req: dict) -> None:
     """In the forked child: become the requested ``python -m`` process; never returns."""
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(fd, 0)
+    os.close(fd)
+    for target, path in ((1, req["stdout"]), (2, req["stderr"])):
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, target)
+        os.close(out)
+    become(req)
+
+
+def become(req: dict) -> None:
+    """Run ``req``'s module (``python -m``) or script (``python SCRIPT``) in this forked process with its
+    environment, folder and arguments, on the standard streams it has; never returns. A torchrun forks its ranks
+    from a zygote (tests/rankzygote.py) instead of starting them cold."""
     import runpy
 
     code = 1
@@ -72,24 +93,24 @@ def _child(req: dict) -> None:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
-        fd = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(fd, 0)
-        os.close(fd)
-        for target, path in ((1, req["stdout"]), (2, req["stderr"])):
-            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(out, target)
-            os.close(out)
-        if os.environ.get("PYTHONUNBUFFERED"):
-            sys.stdout.reconfigure(line_buffering=True)
-            sys.stderr.reconfigure(line_buffering=True)
+        if req.get("unbuffered") or os.environ.get("PYTHONUNBUFFERED"):  # python -u
+            sys.stdout.reconfigure(line_buffering=True, write_through=True)
+            sys.stderr.reconfigure(line_buffering=True, write_through=True)
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        sys.path[:] = [os.getcwd(), *extra, *[p for p in sys.path[1:] if p not in extra]]
+        first = os.path.dirname(req["script"]) if "script" in req else os.getcwd()
+        sys.path[:] = [first, *extra, *[p for p in sys.path[1:] if p not in extra]]
         threads = os.environ.get("OMP_NUM_THREADS", "")
         import torch
 
         torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else os.cpu_count() or 1)
-        sys.argv = [req["module"], *req["args"]]
-        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+        if "script" in req:
+            sys.argv = [req["script"], *req["args"]]
+            runpy.run_path(req["script"], run_name="__main__")
+        else:
+            sys.argv = [req["module"], *req["args"]]
+            if req["module"] == TORCHRUN:
+                rankzygote.install(become)
+            runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
@@ -165,7 +186,8 @@ class _Server:
             self.proc.kill()
             self.proc.wait()
 
-    def run(self, module: str, args: list[str], cwd: str, env: dict, timeout: Optional[float]):
+    def run(self, target: dict, cwd: str, env: dict, timeout: Optional[float]):
+        """``target``: {"module": M} or {"script": PATH}, with its "args"."""
         out = tempfile.NamedTemporaryFile(dir=self.dir, delete=False)
         err = tempfile.NamedTemporaryFile(dir=self.dir, delete=False)
         out.close()
@@ -173,7 +195,7 @@ class _Server:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.path)
-            conn.sendall(json.dumps({"op": "run", "module": module, "args": args, "cwd": cwd, "env": env,
+            conn.sendall(json.dumps({"op": "run", **target, "cwd": cwd, "env": env,
                                      "stdout": out.name, "stderr": err.name}).encode() + b"\n")
             pid = json.loads(_read_line(conn))["pid"]
             conn.settimeout(timeout)
@@ -183,7 +205,8 @@ class _Server:
                 os.kill(pid, signal.SIGKILL)
                 conn.settimeout(None)
                 _read_line(conn)
-                raise subprocess.TimeoutExpired([module, *args], timeout) from None
+                raise subprocess.TimeoutExpired([target.get("module") or target["script"], *target["args"]],
+                                                timeout) from None
             with open(out.name, encoding="utf-8", errors="replace") as fo, \
                     open(err.name, encoding="utf-8", errors="replace") as fe:
                 return rc, fo.read(), fe.read()
@@ -203,17 +226,32 @@ def _server() -> Optional[_Server]:
     return _SERVER
 
 
+def _target(cmd: list, cwd: str) -> Optional[dict]:
+    """What the server can fork for ``cmd``: a fastcredit command or a torchrun (``python -m``), or a script
+    (``python PATH.py``); None for anything else."""
+    if len(cmd) < 2 or cmd[0] != sys.executable:
+        return None
+    args = [str(a) for a in cmd]
+    if args[1] == "-m" and len(args) >= 3 and (args[2].startswith("fastcredit.") or args[2] == TORCHRUN):
+        return {"module": args[2], "args": args[3:]}
+    script = os.path.join(cwd, args[1])
+    if args[1].endswith(".py") and os.path.isfile(script):
+        return {"script": os.path.abspath(script), "args": args[2:]}
+    return None
+
+
 def run(cmd: list, *, capture_output: bool = True, text: bool = True, timeout: Optional[float] = None,
         cwd: Optional[str] = None, env: Optional[dict] = None) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=..., cwd=..., env=...)``, forked from the
-    warm server where ``cmd`` is ``[sys.executable, "-m", "fastcredit.<command>", ...]``."""
-    forkable = (len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m" and capture_output and text
-                and str(cmd[2]).startswith("fastcredit.")
-                and hasattr(os, "fork") and os.environ.get("FASTCREDIT_TEST_FORKSERVER", "1") != "0")
-    if not forkable:
+    warm server where ``cmd`` is ``[sys.executable, "-m", "fastcredit.<command>", ...]``, a script
+    (``[sys.executable, "path.py", ...]``) or a torchrun (``[sys.executable, "-m", "torch.distributed.run",
+    ...]``, whose ranks are forked too: tests/rankzygote.py)."""
+    cwd = os.path.abspath(cwd or os.getcwd())
+    target = _target(cmd, cwd)
+    if (target is None or not (capture_output and text) or not hasattr(os, "fork")
+            or os.environ.get("FASTCREDIT_TEST_FORKSERVER", "1") == "0"):
         return subprocess.run(cmd, capture_output=capture_output, text=text, timeout=timeout, cwd=cwd, env=env)
-    rc, out, err = _server().run(cmd[2], [str(a) for a in cmd[3:]], os.path.abspath(cwd or os.getcwd()),
-                                 dict(os.environ if env is None else env), timeout)
+    rc, out, err = _server().run(target, cwd, dict(os.environ if env is None else env), timeout)
     return subprocess.CompletedProcess(cmd, rc, out, err)
 
 

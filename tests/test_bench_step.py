@@ -3,10 +3,11 @@ report's arithmetic (bench/step_report.py): the phase table, time per token, the
 did the same work."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -146,7 +147,7 @@ def test_bench_step_runs_both_designs_and_writes_its_results(tmp_path):
            "optim.mini_batch_prompts=2", "data.toy.num_questions=40", "data.toy.num_people=80",
            "data.toy.num_companies=20", "model.tiny_vocab_rows=3000", "distributed.offload_state=false",
            "warmstart.enabled=true", "warmstart.epochs=1", "warmstart.questions=8"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    proc = forkserver.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/bench"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.load(open(next(out.glob("step_tiny_t_*.json"))))

@@ -167,6 +167,12 @@ def _ranks_cmd(toy, out: str, started) -> tuple[list, dict]:
     return cmd, env
 
 
+def _torchrun(cmd: list, env: dict, timeout: float = 600):
+    from tests import forkserver  # here: tests/eval_ranks.py imports this module with tests/ as its folder
+
+    return forkserver.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
 def test_eval_under_torchrun_splits_the_questions_and_a_killed_rank_resumes_its_shard_only(toy, monkeypatch,
                                                                                          tmp_path):
     """Two gloo ranks, each rolling out every second question into its own predictions file, the index split
@@ -176,8 +182,7 @@ def test_eval_under_torchrun_splits_the_questions_and_a_killed_rank_resumes_its_
     seven, out, started = toy["seven"], str(tmp_path / "e"), tmp_path / "started"
     started.mkdir()
     cmd, env = _ranks_cmd(toy, out, started)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**env, "FAIL_RANK": "1", "FAIL_AFTER": "2", "PEER_RECORDS": "8", "HOLD_AFTER": "2"})
+    proc = _torchrun(cmd, {**env, "FAIL_RANK": "1", "FAIL_AFTER": "2", "PEER_RECORDS": "8", "HOLD_AFTER": "2"})
     assert proc.returncode != 0 and not os.path.exists(os.path.join(out, "results.json")), proc.stderr[-3000:]
     assert "eval_ranks: rank" not in proc.stderr, proc.stderr[-3000:]  # no handshake timed out
     shards = [list(range(len(seven)))[r::2] for r in range(2)]
@@ -186,7 +191,7 @@ def test_eval_under_torchrun_splits_the_questions_and_a_killed_rank_resumes_its_
     assert saved == [shards[0][:8], shards[1][:8]]
     for f in started.iterdir():
         f.unlink()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    proc = _torchrun(cmd, env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [int((started / f"rank{r}").read_text()) for r in range(2)] == [len(shards[r]) - 8 for r in range(2)]
     assert "(2 ranks, each its shard)" in proc.stdout and "questions/s" in proc.stdout
@@ -206,11 +211,12 @@ def test_a_rank_that_fails_ends_the_job_instead_of_leaving_the_others_waiting(to
     cmd, env = _ranks_cmd(toy, out, started)
     shard0 = len(range(0, len(toy["seven"]), 2))
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                              env={**env, "FAIL_RANK": "1", "FAIL_AFTER": "2", "PEER_RECORDS": str(shard0),
-                                   "FAIL_MODE": "raise"})
+        proc = _torchrun(cmd, {**env, "FAIL_RANK": "1", "FAIL_AFTER": "2", "PEER_RECORDS": str(shard0),
+                               "FAIL_MODE": "raise"}, timeout=300)
     except subprocess.TimeoutExpired:
-        subprocess.run(["pkill", "-9", "-f", out])  # the ranks' command lines hold this test's own folder
+        # cold ranks (FASTCREDIT_TEST_FORKSERVER=0) hold this folder in their command lines; forked ones die with
+        # their torchrun (tests/rankzygote.py)
+        subprocess.run(["pkill", "-9", "-f", out])
         raise AssertionError("the job hung after one rank failed") from None
     assert proc.returncode != 0 and "rank 1 fails on purpose after 2 chunks" in proc.stderr, proc.stderr[-3000:]
     assert "eval_ranks: rank" not in proc.stderr, proc.stderr[-3000:]

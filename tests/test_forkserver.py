@@ -1,9 +1,11 @@
 """tests/forkserver.py: a forked ``python -m fastcredit.<command>`` gives what a fresh one gives: output, exit
 status, files in its own folder; a run past its timeout is killed."""
 import json
+import re
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -40,3 +42,59 @@ def test_a_run_past_its_timeout_is_killed_and_the_server_goes_on(tmp_path):
 def test_what_is_not_a_fastcredit_command_runs_as_a_subprocess():
     proc = forkserver.run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], timeout=60)
     assert proc.stdout.strip() == "False"  # a fresh interpreter: nothing preloaded
+
+
+RANKS = os.path.join(ROOT, "tests", "zygote_ranks.py")
+
+
+def _torchrun(out, mode, timeout=120):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", RANKS, str(out), mode]
+    return forkserver.run(cmd, cwd=ROOT, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _ranks(out) -> list:
+    return [json.load(open(out / f"rank{r}.json")) for r in range(2)]
+
+
+def test_a_torchruns_ranks_are_forked_warm_and_run_as_torchrun_starts_them(tmp_path):
+    """Each rank: its own process and session (the agent signals its group), torchrun's environment, the script's
+    folder first on sys.path, the arguments; started warm (the server's modules) unless the server is off."""
+    proc = _torchrun(tmp_path, "ok")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(re.findall(r"rank (\d) sum (\d+)", proc.stdout)) == [("0", "3"), ("1", "3")]
+    ranks = _ranks(tmp_path)
+    assert [r["local_rank"] for r in ranks] == ["0", "1"] and len({r["pid"] for r in ranks}) == 2
+    assert all(r["session"] and r["warm"] and r["argv"] == [str(tmp_path), "ok"] for r in ranks)
+    assert all(r["path0"] == os.path.dirname(RANKS) and r["cwd"] == ROOT for r in ranks)
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    env = {**os.environ, "FASTCREDIT_TEST_FORKSERVER": "0"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", RANKS,
+                           str(cold), "ok"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0 and not any(r["warm"] for r in _ranks(cold))  # the same script, started cold
+
+
+@pytest.mark.parametrize("mode,code", [("exit3", "exitcode  : 3"), ("sigkill", "exitcode  : -9")])
+def test_a_ranks_exit_status_reaches_torchrun(tmp_path, mode, code):
+    proc = _torchrun(tmp_path, mode)
+    assert proc.returncode != 0 and code in proc.stderr, proc.stderr[-3000:]
+    assert "rank 0 sum 3" in proc.stdout
+
+
+def test_a_torchrun_past_its_timeout_is_killed_with_its_ranks(tmp_path):
+    with pytest.raises(subprocess.TimeoutExpired):
+        _torchrun(tmp_path, "hang", timeout=10)
+    pids = [r["pid"] for r in _ranks(tmp_path)]
+    deadline = time.time() + 10
+    while any(_alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -7,11 +7,12 @@ DeepSpeed run partitions every parameter (ZeRO-3) or the gradients and optimizer
 through the colocation offload / reload first.
 """
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from tests import forkserver
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "fsdp_update.py")
@@ -19,7 +20,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "EPOCHS": "2"}
 
 
 def _run(cmd, env):
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 

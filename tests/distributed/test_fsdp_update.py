@@ -1,17 +1,18 @@
 """The same global batch gives the same update on one process and on two FSDP2 ranks (gloo)."""
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from tests import forkserver
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "fsdp_update.py")
 
 
 def _run(cmd, env):
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 

@@ -6,13 +6,13 @@ the policy's fp32 weights.
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from fastcredit.distributed import process_group as pg
+from tests import forkserver
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "gpu_rules.py")
@@ -28,7 +28,7 @@ def result(tmp_path_factory):
     folder = save_tiny_policy(build_tiny_policy(tok, hidden=32, layers=2, heads=2, seed=4), tok, str(tmp / "policy"))
     out = tmp / "out.json"
     env = {**os.environ, pg.EMULATE_NCCL_ENV: "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    proc = forkserver.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            SCRIPT, str(out), folder], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())

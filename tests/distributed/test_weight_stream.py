@@ -2,16 +2,17 @@
 ranks' engines over many small buckets of mixed dtypes, with their version; a sender that fails part-way raises
 on every receiver instead of leaving it waiting."""
 import os
-import subprocess
 import sys
 
 import torch
+
+from tests import forkserver
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weight_stream_ranks.py")
 
 
 def test_weights_stream_to_every_rank_and_a_failed_sender_stops_them(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+    proc = forkserver.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
                            SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -7,7 +7,6 @@ The two-rank scenarios run in tests/retrieval/cross_rank.py under torchrun, once
 """
 import json
 import os
-import subprocess
 import sys
 
 import faiss  # noqa: F401  (the script the tests run needs it)
@@ -17,6 +16,7 @@ import torch
 
 from fastcredit.retrieval.exact import exact_scores, load_index_shard, rank_rows, sort_ties
 from fastcredit.retrieval.indexes import FaissIndex, build_faiss_index, shard_bounds, write_index
+from tests import forkserver
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "cross_rank.py")
@@ -87,7 +87,7 @@ def _launch(data, which, tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT, str(data),
            str(out), which]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return [json.load(open(out / f"rank{r}.json")) for r in range(2)]
 
