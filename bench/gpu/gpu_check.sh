@@ -54,6 +54,7 @@ if has_cuda; then CUDA=1; else
   CUDA=0; export TRITON_INTERPRET=1
   echo "[gpu-check] no CUDA device: quick shapes under the Triton interpreter; CUDA stages are not run"
 fi
+export GPU_CHECK_CUDA=$CUDA  # the stages take the answer (bench/gpu/gpu_check_common.py) instead of asking torch
 
 run_stage env "$PY" bench/gpu/gpu_check.py env "$OUT"
 
@@ -148,7 +149,13 @@ elif want nsys; then
   record nsys "not run" "$([ "$CUDA" = 1 ] && echo 'nsys is not on PATH' || echo 'needs CUDA')"
 fi
 
-# each records "not run" and why without CUDA or an importable vLLM (on the lent image: the kit, docs/gpu.md)
-for s in $VLLM_STAGES; do run_stage "$s" "$PY" bench/gpu/gpu_check_vllm.py "${s#vllm_}" "$OUT"; done
+# each records "not run" and why without CUDA or an importable vLLM (on the lent image: the kit, docs/gpu.md); without
+# CUDA one process records all of them (a process each would import torch six times for the same answer)
+if [ "$CUDA" = 1 ]; then
+  for s in $VLLM_STAGES; do run_stage "$s" "$PY" bench/gpu/gpu_check_vllm.py "${s#vllm_}" "$OUT"; done
+else
+  VLLM_WANTED=$(for s in $VLLM_STAGES; do want "$s" && echo "${s#vllm_}"; done | paste -sd, -)
+  [ -z "$VLLM_WANTED" ] || "$PY" bench/gpu/gpu_check_vllm.py "$VLLM_WANTED" "$OUT" 2>&1 | tee "$OUT/vllm.log"
+fi
 
 "$PY" bench/gpu/gpu_check.py summary "$OUT"

@@ -14,6 +14,11 @@ def record(out: str, stage: str, status: str, reason: str = "", **extra) -> None
 
 
 def cuda_available() -> bool:
+    """Whether CUDA is there. gpu_check.sh asks torch once and passes the answer on (``GPU_CHECK_CUDA``), so that a
+    stage that does not run without CUDA does not import torch again to learn it."""
+    told = os.environ.get("GPU_CHECK_CUDA")
+    if told in ("0", "1"):
+        return told == "1"
     import torch
 
     return torch.cuda.is_available()

@@ -26,7 +26,7 @@ BENCH = os.path.dirname(HERE)  # the benchmarks these stages run, and results_io
 ROOT = os.path.dirname(BENCH)
 sys.path[:0] = [HERE, BENCH]
 
-from gpu_check_common import record  # noqa: E402
+from gpu_check_common import cuda_available, record  # noqa: E402
 from gpu_check_train import TRAIN_OVERRIDES, random_policy  # noqa: E402
 
 
@@ -102,9 +102,11 @@ def _train(out: str, name: str, extra: list, count: int, engine: str, policy: st
 
 
 def stage_ranks(out: str) -> None:
-    import torch
+    count = 0
+    if cuda_available():
+        import torch
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        count = torch.cuda.device_count()
     if count < 2:
         record(out, "ranks", "not run", f"needs 2 or more GPUs ({count} visible)")
         return

@@ -7,10 +7,12 @@
     python bench/gpu/gpu_check_vllm.py train   OUT   # three colocated trainer steps (rollout, sleep, train, wake, sync)
     python bench/gpu/gpu_check_vllm.py step    OUT   # the step against the Search-R1 design (target <= 0.4x)
 
-Each records ``stage_vllm_<name>.json`` (``passed``, ``failed`` or ``not run`` with the reason) and its figures in
-``vllm_<name>.json``. They need CUDA and an importable vLLM (on the lent image: the kit of bench/gpu/vllm_kit.py);
-without either they say "not run" and why. vLLM's sleep-mode allocator is one per process, so every engine starts in a
-child process of its own (``child``), which writes what it saw to a JSON file:
+Stages joined by commas run one after the other in one process (``engine,sleep OUT``; gpu_check.sh does so without
+CUDA, where each only records why it did not run). Each records ``stage_vllm_<name>.json`` (``passed``, ``failed``
+or ``not run`` with the reason) and its figures in ``vllm_<name>.json``. They need CUDA and an importable vLLM (on
+the lent image: the kit of bench/gpu/vllm_kit.py); without either they say "not run" and why. vLLM's sleep-mode
+allocator is one per process, so every engine starts in a child process of its own (``child``), which writes what it
+saw to a JSON file:
 
     python bench/gpu/gpu_check_vllm.py child greedy|sleep|switch FOLDER JSON [--critic FOLDER] [--device cuda]
 """
@@ -30,6 +32,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH = os.path.dirname(HERE)  # the benchmarks these stages run, and results_io
 ROOT = os.path.dirname(BENCH)
 sys.path[:0] = [HERE, BENCH]
+
+from gpu_check_common import cuda_available  # noqa: E402
+
 STAGES = ("engine", "sleep", "critic", "rollout", "train", "step")
 PROMPTS = ["Who founded the river company?", "Where is the tallest tower?", "<search>the old bridge</search>",
            "Which city hosts the annual fair, and when?"]
@@ -48,9 +53,7 @@ def record(out: str, stage: str, status: str, reason: str = "", **extra) -> None
 
 def why_not() -> str | None:
     """Why the vLLM stages cannot run here, or None."""
-    import torch
-
-    if not torch.cuda.is_available():
+    if not cuda_available():
         return "no CUDA"
     if importlib.util.find_spec("vllm") is None:
         return "vllm does not import (on the lent image: ferry the kit, docs/gpu.md 'vLLM kit and ferry')"
@@ -308,7 +311,7 @@ def run_stage(stage: str, out: str, device: str = "cuda") -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("stage", choices=(*STAGES, "child"))
+    p.add_argument("stage", help=f"one of {', '.join(STAGES)} (or several, joined by commas), or child")
     p.add_argument("rest", nargs="+", help="OUT, or for child: MODE FOLDER JSON")
     p.add_argument("--critic", default=None, help="child switch: the critic's folder")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
@@ -321,10 +324,14 @@ def main(argv=None) -> int:
             p.error("child switch needs --critic FOLDER")
         child(*a.rest, a.critic, a.device)
         return 0
+    stages = a.stage.split(",")
+    if unknown := [s for s in stages if s not in STAGES]:
+        p.error(f"invalid choice: {', '.join(unknown)} (choose from {', '.join(STAGES)}, or child)")
     if len(a.rest) != 1:
         p.error(f"{a.stage} takes one OUT folder")
     os.makedirs(a.rest[0], exist_ok=True)
-    run_stage(a.stage, a.rest[0], a.device)
+    for stage in stages:
+        run_stage(stage, a.rest[0], a.device)
     return 0
 
 
