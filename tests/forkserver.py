@@ -13,9 +13,10 @@ of its own: its output is its own, it can be signalled (its pid is known), and i
 subprocess reports it (``-N`` for signal N).
 
 A script (``[python, "path.py", ...]``, run as ``python path.py`` runs it: its folder first on sys.path) and a
-torchrun (``[python, "-m", "torch.distributed.run", ...]``) are forked the same way, the torchrun's ranks from a
-zygote of its own (tests/rankzygote.py). Anything else (``-c``: a test that asks what a fresh process imports must
-get one), a platform without fork, or ``FASTCREDIT_TEST_FORKSERVER=0`` goes to ``subprocess.run`` unchanged.
+torchrun (``[python, "-m", "torch.distributed.run", ...]``) are forked the same way; the python commands that a
+forked command starts in turn (a torchrun's ranks, compare's runs) are forked from a zygote of its own
+(tests/zygote.py). Anything else (``-c``: a test that asks what a fresh process imports must get one), a platform
+without fork, or ``FASTCREDIT_TEST_FORKSERVER=0`` goes to ``subprocess.run`` unchanged.
 """
 from __future__ import annotations
 
@@ -31,13 +32,12 @@ import traceback
 from typing import Optional
 
 try:
-    from tests import rankzygote
+    from tests import zygote
 except ImportError:  # the server, run as a script: this folder is sys.path[0]
-    import rankzygote
+    import zygote
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # What a trainer, evaluator or exporter process imports first, and takes seconds to: imported once, by the server.
-TORCHRUN = "torch.distributed.run"
 PRELOAD = ("torch", "torch.distributed", "numpy", "yaml", "transformers", "tokenizers", "matplotlib")
 PRELOAD_NAMES = (("transformers", ("PreTrainedModel", "Qwen2Config", "Qwen2ForCausalLM", "PreTrainedTokenizerFast",
                                    "AutoTokenizer", "AutoModelForCausalLM")),)
@@ -82,8 +82,8 @@ def _child(req: dict) -> None:
 
 def become(req: dict) -> None:
     """Run ``req``'s module (``python -m``) or script (``python SCRIPT``) in this forked process with its
-    environment, folder and arguments, on the standard streams it has; never returns. A torchrun forks its ranks
-    from a zygote (tests/rankzygote.py) instead of starting them cold."""
+    environment, folder and arguments, on the standard streams it has; never returns. The python commands it starts
+    are forked from its zygote (tests/zygote.py) instead of starting cold."""
     import runpy
 
     code = 1
@@ -105,11 +105,11 @@ def become(req: dict) -> None:
         torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else os.cpu_count() or 1)
         if "script" in req:
             sys.argv = [req["script"], *req["args"]]
+            zygote.install(become, None)
             runpy.run_path(req["script"], run_name="__main__")
         else:
             sys.argv = [req["module"], *req["args"]]
-            if req["module"] == TORCHRUN:
-                rankzygote.install(become)
+            zygote.install(become, req["module"])
             runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
@@ -226,28 +226,14 @@ def _server() -> Optional[_Server]:
     return _SERVER
 
 
-def _target(cmd: list, cwd: str) -> Optional[dict]:
-    """What the server can fork for ``cmd``: a fastcredit command or a torchrun (``python -m``), or a script
-    (``python PATH.py``); None for anything else."""
-    if len(cmd) < 2 or cmd[0] != sys.executable:
-        return None
-    args = [str(a) for a in cmd]
-    if args[1] == "-m" and len(args) >= 3 and (args[2].startswith("fastcredit.") or args[2] == TORCHRUN):
-        return {"module": args[2], "args": args[3:]}
-    script = os.path.join(cwd, args[1])
-    if args[1].endswith(".py") and os.path.isfile(script):
-        return {"script": os.path.abspath(script), "args": args[2:]}
-    return None
-
-
 def run(cmd: list, *, capture_output: bool = True, text: bool = True, timeout: Optional[float] = None,
         cwd: Optional[str] = None, env: Optional[dict] = None) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=..., cwd=..., env=...)``, forked from the
     warm server where ``cmd`` is ``[sys.executable, "-m", "fastcredit.<command>", ...]``, a script
     (``[sys.executable, "path.py", ...]``) or a torchrun (``[sys.executable, "-m", "torch.distributed.run",
-    ...]``, whose ranks are forked too: tests/rankzygote.py)."""
+    ...]``); what such a command starts is forked too (tests/zygote.py)."""
     cwd = os.path.abspath(cwd or os.getcwd())
-    target = _target(cmd, cwd)
+    target = zygote.target(cmd, cwd)
     if (target is None or not (capture_output and text) or not hasattr(os, "fork")
             or os.environ.get("FASTCREDIT_TEST_FORKSERVER", "1") == "0"):
         return subprocess.run(cmd, capture_output=capture_output, text=text, timeout=timeout, cwd=cwd, env=env)

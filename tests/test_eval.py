@@ -215,7 +215,7 @@ def test_a_rank_that_fails_ends_the_job_instead_of_leaving_the_others_waiting(to
                                "FAIL_MODE": "raise"}, timeout=300)
     except subprocess.TimeoutExpired:
         # cold ranks (FASTCREDIT_TEST_FORKSERVER=0) hold this folder in their command lines; forked ones die with
-        # their torchrun (tests/rankzygote.py)
+        # their torchrun (tests/zygote.py)
         subprocess.run(["pkill", "-9", "-f", out])
         raise AssertionError("the job hung after one rank failed") from None
     assert proc.returncode != 0 and "rank 1 fails on purpose after 2 chunks" in proc.stderr, proc.stderr[-3000:]

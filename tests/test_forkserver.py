@@ -98,3 +98,23 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_what_a_forked_command_starts_is_forked_too_and_behaves_as_popens(tmp_path):
+    """A command forked by the server starts python commands through ``subprocess``: each is forked warm from the
+    command's zygote with the Popen's pipes, file, folder, environment and session; exit status, poll, and a
+    SIGTERM come back as Popen's (``-N`` for signal N); ``-c`` still starts a fresh interpreter."""
+    proc = forkserver.run([sys.executable, os.path.join(ROOT, "tests", "zygote_popen.py"), str(tmp_path)],
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.load(open(tmp_path / "report.json"))
+    assert report["popen_class"] == "WarmPopen"
+    echo = report["echo"]
+    assert echo["rc"] == 0 and echo["stderr"] == "to stderr\n"
+    assert echo["child"]["warm"] and echo["child"]["stdin"] == "hello" and echo["child"]["env"] == "1"
+    assert echo["child"]["cwd"] == str(tmp_path) and not echo["child"]["session"]
+    assert report["exit5"]["rc"] == 5 and report["exit5"]["log"].endswith("to stderr\n")
+    assert json.loads(report["exit5"]["log"].splitlines()[0])["warm"]
+    sleep = report["sleep"]
+    assert sleep["pid_matches"] and sleep["poll"] is None and sleep["child"]["session"] and sleep["rc"] == -15
+    assert report["dash_c_warm"] == "False"
