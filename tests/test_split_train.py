@@ -5,10 +5,7 @@ trajectory lost or trained twice. ``FASTCREDIT_SPLIT_MATRIX=1`` adds every estim
 engine."""
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
@@ -32,9 +29,9 @@ def _one_world(tmp_path_factory):
     WORLD.clear()
 
 
-def command(out, *overrides, launcher=TORCHRUN):
+def command(out, *overrides, launcher=TORCHRUN, entry=("-m", "fastcredit.train")):
     config = os.path.join(ROOT, "configs", "debug.yaml")
-    return [sys.executable, *launcher, "-m", "fastcredit.train", "--config", config, f"logging.output_dir={out}",
+    return [sys.executable, *launcher, *entry, "--config", config, f"logging.output_dir={out}",
             f"data.world_dir={WORLD['dir']}", *SMALL,
             f"warmstart.cache_dir={os.path.join(WORLD['dir'], 'warmstarts')}", *overrides]
 
@@ -115,45 +112,16 @@ def test_two_rollout_ranks_two_steps_ahead_with_partial_rollouts_and_the_critic_
     assert "held-out EM: " in proc.stdout
 
 
-def _rank_pid(parent: int, rank: int):
-    """The pid of torchrun's worker ``rank`` (read from /proc: its RANK in the environment), or None."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != parent:
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except (OSError, ValueError, IndexError):
-            continue
-        if env.get(b"RANK") == str(rank).encode():
-            return int(pid)
-    return None
-
-
 def launch_and_kill(out, victim: int, after_step: int, *overrides, resume: bool = False) -> str:
-    """Launch the split run, SIGKILL rank ``victim`` once the checkpoint of step ``after_step`` is on disk (torchrun
-    then stops the job); returns the job's output."""
-    cmd = command(out, *overrides) + (["--resume"] if resume else [])
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    killed, deadline = False, time.time() + 300
-    try:
-        while proc.poll() is None and time.time() < deadline:
-            if not killed and os.path.exists(os.path.join(out, "checkpoints", f"step_{after_step:06d}")):
-                pid = _rank_pid(proc.pid, victim)
-                if pid is not None:
-                    os.kill(pid, signal.SIGKILL)
-                    killed = True
-            time.sleep(0.05)
-        output, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert killed and proc.returncode != 0, output[-3000:]
+    """Launch the split run; rank ``victim`` SIGKILLs itself at its first phase once the checkpoint of step
+    ``after_step`` is on disk (tests/killed_run.py), and torchrun then stops the job; returns the job's output."""
+    once = os.path.join(out, "checkpoints", f"step_{after_step:06d}")
+    cmd = command(out, *overrides, entry=(os.path.join(ROOT, "tests", "killed_run.py"),))
+    proc = forkserver.run(cmd + (["--resume"] if resume else []), capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "KILL_RANK": str(victim),
+                                         "KILL_ONCE_EXISTS": once})
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and f"killed_run: rank {victim} SIGKILLed" in output, output[-3000:]
     return output
 
 
