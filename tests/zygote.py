@@ -15,7 +15,10 @@ thread, the server's modules imported), :func:`install` forks a *zygote* from it
   no rank behind. (A rank Popen'd by a SIGKILLed torchrun would run on, orphaned; the agent itself waits for its
   ranks, so only a killed agent differs.) Other commands' children outlive their parent as Popen's do.
 
-The zygote reaps each child and reports its wait status, which Popen decodes as it decodes ``waitpid``'s.
+The zygote reaps each child and reports its wait status, which Popen decodes as it decodes ``waitpid``'s. What
+the server preloaded (torch, transformers, triton, ...) was imported with the server's environment: a script that
+sets a variable those modules read at import must start cold (``subprocess.run`` from the test, as
+tests/kernels/test_aot_compile.py starts its preflight, or ``python -c``).
 """
 from __future__ import annotations
 
@@ -120,6 +123,12 @@ class WarmPopen(subprocess.Popen):
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
                        restore_signals, gid, gids, uid, umask, start_new_session, *more):
+        def cold():
+            return super(WarmPopen, self)._execute_child(
+                args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags, shell,
+                p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, restore_signals, gid, gids, uid, umask,
+                start_new_session, *more)
+
         cwd_s = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
         plain = (_ZYGOTE is not None and _ZYGOTE.alive and not shell and executable is None and preexec_fn is None
                  and not pass_fds and gid is None and gids is None and uid is None and umask < 0
@@ -127,15 +136,16 @@ class WarmPopen(subprocess.Popen):
                  and (env is None or all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())))
         spec = target(args, cwd_s) if plain else None
         if spec is None:
-            return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
-                                          creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread,
-                                          errwrite, restore_signals, gid, gids, uid, umask, start_new_session,
-                                          *more)
+            return cold()
         fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
         req = {**spec, "env": dict(os.environ if env is None else env), "cwd": cwd_s,
                "session": bool(start_new_session)}
+        try:
+            self.pid = _ZYGOTE.spawn(req, fds)
+        except (OSError, RuntimeError):  # the zygote is gone (killed with its group): Popen starts it cold
+            _ZYGOTE.alive = False
+            return cold()
         self._zygote = _ZYGOTE
-        self.pid = _ZYGOTE.spawn(req, fds)
         self._child_created = True
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
 
