@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests import forkserver
+from tests import forkserver, zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = [sys.executable, "-m", "fastcredit.data.toyworld", "--out", "w", "--num-people", "40", "--num-cities", "8",
@@ -81,18 +81,9 @@ def test_a_torchrun_past_its_timeout_is_killed_with_its_ranks(tmp_path):
         _torchrun(tmp_path, "hang", timeout=10)
     pids = [r["pid"] for r in _ranks(tmp_path)]
     deadline = time.time() + 10
-    while any(_alive(p) for p in pids) and time.time() < deadline:
+    while any(zygote.running(p) for p in pids) and time.time() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in pids)
-
-
-def _alive(pid: int) -> bool:
-    """A process that exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not any(zygote.running(p) for p in pids)
 
 
 def test_what_a_forked_command_starts_is_forked_too_and_behaves_as_popens(tmp_path):

@@ -98,7 +98,7 @@ class Zygote:
                         self._read(0.05 if block else 0.0)
                     except RuntimeError:
                         pass
-                if pid not in self.status and not self.alive and not _running(pid):
+                if pid not in self.status and not self.alive and not running(pid):
                     self.status[pid] = signal.SIGKILL
                 if pid in self.status:
                     return self.status[pid]
@@ -108,7 +108,7 @@ class Zygote:
                 time.sleep(0.05)
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f:
