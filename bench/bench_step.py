@@ -9,9 +9,12 @@
     PYTHONPATH=. python bench/bench_step.py --placement split --staleness 0,1,2   # overlap: bench/step_split.py
     PYTHONPATH=. python bench/bench_step.py --shape Qwen2.5-0.5B --config configs/demo.yaml --tag search \
         warmstart.questions=1500 warmstart.epochs=1 warmstart.lr=5e-4   # GPU: warm-started, so it searches
+    python bench/rehearsal.py model runs/smollm2-135m-instruct          # once: the real model's folder
+    PYTHONPATH=. python bench/bench_step.py --config configs/race_smollm2.yaml --steps 2   # CPU: SmolLM2 on vLLM
 
-One process runs ``--warmup`` + ``--steps`` trainer steps of each design on the same config, model
-shape, data, seed and batch: fastcredit's own (the config as given) and Search-R1's system design
+Each design runs ``--warmup`` + ``--steps`` trainer steps in a fresh process of its own (nothing one design leaves
+behind, threads, allocator state or caches, touches the other's timings) on the same config, model shape, data,
+seed and batch: fastcredit's own (the config as given) and Search-R1's system design
 (the config with ``configs/searchr1_design.yaml`` over it: lockstep turns, no stop strings, HTTP
 retrieval to a ``/retrieve`` server this script starts on the same index, the unfused torch loss
 and log-prob, no prefix caching). Per design it reports the medians over the timed steps of each
@@ -29,7 +32,8 @@ flight), retrieval wait (seconds with only retrieval in flight), weight sync, of
 
 ``--shape`` takes a model of ``fastcredit.trainer.memory``'s presets (Qwen2.5-0.5B, Qwen2.5-3B, ...) and
 builds the tiny Qwen2 with its layers, widths, heads and vocabulary rows, weights random (timing
-needs no training). Writes ``bench/results/step_<shape>_<device>.{json,md,png}``.
+needs no training); without it the config's policy is timed (``tiny``, or a real model's folder, whose name the
+results take). Writes ``bench/results/step_<shape>_<device>.{json,md,png}``.
 """
 from __future__ import annotations
 
@@ -52,9 +56,27 @@ from step_report import comparability, headline, markdown, phase_table, plot, wo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DESIGN = os.path.join(ROOT, "configs", "searchr1_design.yaml")
-# What the Search-R1 design keeps whatever the overrides say (they go to both designs otherwise): its scripts move
-# the training state to the host between phases, so keeping it on the GPU is fastcredit's side only.
-DESIGN_PINNED = ("distributed.offload_state=true",)
+
+
+def design_pinned() -> list[str]:
+    """What the Search-R1 design keeps whatever the overrides say (they go to both designs otherwise): every key its
+    overlay sets, as ``key=value`` overrides applied last. So ``rollout.mode=async`` or
+    ``distributed.offload_state=false`` changes fastcredit's side only; the design still runs lockstep turns and
+    moves the training state to the host between phases, as Search-R1's scripts do."""
+    import yaml
+
+    def flat(tree: dict, prefix: str = "") -> list[str]:
+        out = []
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                out += flat(value, f"{prefix}{key}.")
+            else:
+                text = json.dumps(value) if isinstance(value, bool) or value is None else str(value)
+                out.append(f"{prefix}{key}={text}")
+        return out
+
+    with open(DESIGN) as f:
+        return flat(yaml.safe_load(f))
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -153,7 +175,7 @@ def run_design(name: str, config: str, overrides: list[str], work: str, steps: i
 
     out = os.path.join(work, name)
     paths = [config] + ([DESIGN] if name == "searchr1_design" else [])
-    pinned = DESIGN_PINNED if name == "searchr1_design" else ()
+    pinned = design_pinned() if name == "searchr1_design" else ()
     cfg = load_config(paths, [*overrides, *pinned, f"logging.output_dir={out}", f"optim.total_steps={warmup + steps}"])
     print(f"[{name}] {warmup} warm-up + {steps} timed steps: rollout.mode={cfg.rollout.mode}, "
           f"stop_at_tags={cfg.rollout.stop_at_tags}, retrieval.backend={cfg.retrieval.backend}, "
@@ -171,6 +193,10 @@ def run_design(name: str, config: str, overrides: list[str], work: str, steps: i
     wall = time.perf_counter() - t0
     peak = _peak_gib()
     end = weights_digest(trainer.parts.policy)
+    from fastcredit.runtime.threads import process_threads, python_threads
+
+    # what runs beside the main thread once the steps are done: no rollout thread, no second OpenMP team
+    threads = {"python": python_threads(), "os": len(process_threads() or [])}
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"time/step"' in line]
     del trainer
     gc.collect()
@@ -179,7 +205,50 @@ def run_design(name: str, config: str, overrides: list[str], work: str, steps: i
     timed = [r for r in rows if r["step"] > warmup]
     if len(timed) != steps:
         raise SystemExit(f"[{name}] expected {steps} timed steps in {out}/metrics.jsonl, found {len(timed)}")
-    return {"rows": timed, "wall_s": wall, "peak": peak, "start_weights": start, "end_weights": end}
+    return {"rows": timed, "wall_s": wall, "peak": peak, "start_weights": start, "end_weights": end, "threads": threads}
+
+
+def run_design_process(name: str, config: str, overrides: list[str], work: str, steps: int, warmup: int) -> dict:
+    """:func:`run_design` in a fresh Python process (its output goes to ours); the same dict back."""
+    result = os.path.join(work, f"{name}.result.json")
+    if os.path.exists(result):
+        os.remove(result)
+    cmd = [sys.executable, os.path.abspath(__file__), "--design", name, "--config", config, "--work", work,
+           "--steps", str(steps), "--warmup", str(warmup), "--result", result, "--", *overrides]
+    code = subprocess.run(cmd, cwd=ROOT, env=child_env(ROOT, os.path.join(ROOT, "bench"))).returncode
+    if code != 0 or not os.path.exists(result):
+        raise SystemExit(f"[{name}] the design's process exited with {code}")
+    with open(result) as f:
+        return json.load(f)
+
+
+def run_rounds(a, common: list[str], world: str, work: str) -> dict:
+    """``--rounds`` rounds, each a fresh process of fastcredit's design then one of the Search-R1 design (its
+    ``/retrieve`` server up beside it), their timed steps pooled: a machine whose speed drifts over minutes (a shared
+    host) moves both designs alike instead of the one that ran later."""
+    runs: dict = {}
+    for r in range(a.rounds):
+        print(f"round {r + 1}/{a.rounds}", flush=True)
+        got = {"fastcredit": run_design_process("fastcredit", a.config, common, work, a.steps, a.warmup)}
+        server = RetrievalServer(os.path.join(world, "corpus.jsonl"), os.path.join(work, "retrieval_server.log"))
+        try:
+            server.wait()
+            got["searchr1_design"] = run_design_process("searchr1_design", a.config,
+                                                        [*common, f"retrieval.url={server.url}"], work, a.steps,
+                                                        a.warmup)
+        finally:
+            server.close()
+        for name, run in got.items():
+            if name not in runs:
+                runs[name] = run
+                continue
+            if run["start_weights"] != runs[name]["start_weights"]:
+                raise SystemExit(f"[{name}] round {r + 1} started from other weights than round 1")
+            runs[name]["rows"] += run["rows"]
+            runs[name]["wall_s"] += run["wall_s"]
+            runs[name]["end_weights"] = run["end_weights"]
+            runs[name]["peak"] = {k: max(v, run["peak"].get(k, 0.0)) for k, v in runs[name]["peak"].items()}
+    return runs
 
 
 def check_same_start(runs: dict, frozen: bool) -> str:
@@ -199,7 +268,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "debug.yaml"), help="the method's config")
     p.add_argument("--steps", type=int, default=3, help="timed steps per design")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per design first")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per design first (in every round)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="each design runs this many times in fresh processes, alternating with the other; the timed "
+                        "steps of all rounds are pooled")
     p.add_argument("--shape", default="tiny", help="tiny, or a preset of fastcredit.trainer.memory (random weights)")
     p.add_argument("--work", default=None, help="folder for the runs and the toy world (default: a temporary one)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
@@ -211,11 +283,22 @@ def main(argv=None) -> int:
                         "(bench/step_split.py)")
     p.add_argument("--staleness", default="0,1,2", help="--placement split: the rollout.max_staleness values")
     p.add_argument("--tag", default="", help="added to the results' name: step_<shape>_<tag>_<device>")
+    p.add_argument("--design", choices=("fastcredit", "searchr1_design"), default=None,
+                   help=argparse.SUPPRESS)  # one design's steps, in the process the benchmark starts for it
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)  # --design: where its JSON goes
     p.add_argument("overrides", nargs="*", help="key=value config overrides, applied to both designs (the Search-R1 "
-                                                "design keeps DESIGN_PINNED)")
+                                                "design keeps what its overlay sets: design_pinned)")
     a = p.parse_args(argv)
-    if a.steps < 1 or a.warmup < 0:
-        p.error("--steps must be at least 1 and --warmup at least 0")
+    if a.steps < 1 or a.warmup < 0 or a.rounds < 1:
+        p.error("--steps and --rounds must be at least 1 and --warmup at least 0")
+    if a.design is not None:
+        from fastcredit.runtime.progress import quiet_library_bars
+
+        quiet_library_bars()
+        run = run_design(a.design, a.config, a.overrides, a.work, a.steps, a.warmup)
+        with open(a.result, "w") as f:
+            json.dump(run, f)
+        return 0
     from fastcredit.runtime.progress import quiet_library_bars
 
     quiet_library_bars()  # a log gets plain progress lines, not the libraries' bar frames
@@ -236,18 +319,17 @@ def main(argv=None) -> int:
             p.error(f"--staleness takes comma-separated whole numbers, got {a.staleness!r}")
         device = device_name("cuda" if torch.cuda.is_available() else "cpu")
         return step_split.main(a, common, ROOT, device, torch.__version__, write_results)
-    runs = {"fastcredit": run_design("fastcredit", a.config, common, work, a.steps, a.warmup)}
-    server = RetrievalServer(os.path.join(world, "corpus.jsonl"), os.path.join(work, "retrieval_server.log"))
-    try:
-        server.wait()
-        runs["searchr1_design"] = run_design("searchr1_design", a.config, [*common, f"retrieval.url={server.url}"],
-                                             work, a.steps, a.warmup)
-    finally:
-        server.close()
+    if a.shape == "tiny":  # the config's own policy: a real model's folder names it
+        from fastcredit.config import load_config
+
+        policy = load_config([a.config], list(a.overrides)).model.policy
+        a.shape = "tiny" if policy == "tiny" else os.path.basename(os.path.normpath(policy))
+    runs = run_rounds(a, common, world, work)
     report = {"device": device_name("cuda" if torch.cuda.is_available() else "cpu"), "torch": torch.__version__,
-              "shape": a.shape, "config": a.config, "overrides": a.overrides, "steps": a.steps, "warmup": a.warmup,
+              "shape": a.shape, "config": a.config, "overrides": a.overrides, "steps": a.steps * a.rounds,
+              "warmup": a.warmup, "rounds": a.rounds,
               "frozen": not a.learning, "start_weights": check_same_start(runs, not a.learning),
-              "runs": {d: {k: r[k] for k in ("wall_s", "peak", "rows", "start_weights", "end_weights")}
+              "runs": {d: {k: r[k] for k in ("wall_s", "peak", "rows", "start_weights", "end_weights", "threads")}
                        for d, r in runs.items()}}
     report["table"] = phase_table(runs)
     report["workload"] = workload(runs)

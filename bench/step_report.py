@@ -129,8 +129,9 @@ def markdown(report: dict, root: str) -> str:
              f"{report['start_weights'][:12]}), " if report.get("frozen") else "the policy learning (--learning), "
     lines = [f"# Per-step time: fastcredit vs the Search-R1 design — {report['device']}", "",
              f"{report['shape']} policy, `{os.path.relpath(report['config'], root)}` "
-             f"{' '.join(report['overrides']) or ''}; medians of {report['steps']} steps after "
-             f"{report['warmup']} warm-up; {frozen}same seed, prompts and batch.", "",
+             f"{' '.join(report['overrides']) or ''}; medians of {report['steps']} steps "
+             f"({report.get('rounds', 1)} alternating rounds, each a fresh process per design with "
+             f"{report['warmup']} warm-up step); {frozen}same seed, prompts and batch.", "",
              f"**{headline(report)}**", "",
              f"| phase | {a} (s) | {b} (s) | {a} / {b} | {a} (µs/token) | {b} (µs/token) | per token |",
              "|---|---:|---:|---:|---:|---:|---:|"]

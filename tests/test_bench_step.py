@@ -142,8 +142,9 @@ def test_bench_step_runs_both_designs_and_writes_its_results(tmp_path):
     to nothing). Both designs start from the one warm start fastcredit's run made (the Search-R1 design loads it:
     the cache key leaves out where searches go), and the policy is frozen: the same weights before and after."""
     out = tmp_path / "results"
-    cmd = [sys.executable, "bench/bench_step.py", "--steps", "1", "--warmup", "0", "--work", str(tmp_path / "w"),
-           "--out", str(out), "--tag", "t", "optim.batch_prompts=2", "rollout.n_samples=2",
+    cmd = [sys.executable, "bench/bench_step.py", "--steps", "1", "--warmup", "0", "--rounds", "1",
+           "--work", str(tmp_path / "w"), "--out", str(out), "--tag", "t", "optim.batch_prompts=2",
+           "rollout.n_samples=2", "rollout.mode=async",
            "optim.mini_batch_prompts=2", "data.toy.num_questions=40", "data.toy.num_people=80",
            "data.toy.num_companies=20", "model.tiny_vocab_rows=3000", "distributed.offload_state=false",
            "warmstart.enabled=true", "warmstart.epochs=1", "warmstart.questions=8"]
@@ -168,6 +169,10 @@ def test_bench_step_runs_both_designs_and_writes_its_results(tmp_path):
     assert next(out.glob("step_tiny_*.png")).stat().st_size > 0
     design = open(tmp_path / "w" / "searchr1_design" / "config.yaml").read()
     assert "mode: lockstep" in design and "backend: http" in design and "stop_at_tags: false" in design
-    # an override goes to both designs, except what the Search-R1 design pins: its training state moves
+    # an override goes to both designs, except what the Search-R1 design's overlay sets: its training state moves,
+    # its turns stay lockstep
     assert "offload_state: true" in design
-    assert "offload_state: false" in open(tmp_path / "w" / "fastcredit" / "config.yaml").read()
+    own = open(tmp_path / "w" / "fastcredit" / "config.yaml").read()
+    assert "offload_state: false" in own and "mode: async" in own
+    # each design ran in a process of its own, which ends with no thread of the rollout left
+    assert all(r["threads"]["python"] == ["MainThread"] for r in report["runs"].values())

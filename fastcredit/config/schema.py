@@ -115,7 +115,10 @@ class ProceedRolloutConfig:
 @dataclass
 class RolloutConfig:
     engine: Literal["hf", "vllm"] = opt("hf", "generation engine")
-    mode: Literal["async", "lockstep"] = opt("async", "async agent loop, or Search-R1's lockstep turns (baseline)")
+    mode: Literal["auto", "async", "lockstep"] = opt(
+        "auto", "async: each trajectory's next turn starts when its own search returns; lockstep: Search-R1's turns, "
+        "every active trajectory in one engine call; auto: async on an engine that batches in flight (vLLM) or with "
+        "ProCeed, else lockstep (printed at start with its reason)")
     n_samples: int = opt(5, "G: samples per prompt (a group)", range=COUNT)
     temperature: float = opt(1.0, "sampling temperature",
                              range=POS, note="training divides the logits by it; greedy decoding is evaluation's")

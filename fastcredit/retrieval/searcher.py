@@ -32,6 +32,9 @@ def retriever_searcher(retriever, k: int, max_passage_tokens: Optional[int] = No
         return [(ids[cu[i]:cu[i + 1]], [retriever.corpus.id(r) for r in rows[i] if r >= 0])
                 for i in range(len(queries))]
 
+    # where its torch work runs (the encoder's device; an encoder without one, such as the toy world's hashing, on
+    # the host): the asynchronous rollout keeps a CPU's on the loop's own thread (fastcredit.runtime.threads)
+    search.torch_device = getattr(getattr(retriever, "encoder", None), "device", None) or torch.device("cpu")
     session = getattr(getattr(retriever, "index", None), "session", None)
     if session is not None:  # split across ranks: each rollout meets the other ranks in retrieval rounds
         search.session = session

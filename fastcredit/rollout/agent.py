@@ -201,8 +201,14 @@ class AsyncSearch:
 
     def __init__(self, searcher: Searcher, max_batch: int = 256, timeout_ms: float = 2.0):
         from fastcredit.runtime.batching import MicroBatcher
+        from fastcredit.runtime.threads import rollout_executor
 
-        self.batcher = MicroBatcher(searcher, max_batch=max_batch, timeout_ms=timeout_ms, max_queue=1 << 20)
+        # An in-process retriever's torch work on a CPU runs on the loop's thread (one OpenMP team a process); a
+        # GPU one's, or a server's HTTP round trips, in a worker thread that ends with the rollout (batcher.close).
+        device = getattr(searcher, "torch_device", None)
+        executor = rollout_executor(device, "retrieval") if device is not None else None
+        self.batcher = MicroBatcher(searcher, max_batch=max_batch, timeout_ms=timeout_ms, max_queue=1 << 20,
+                                    executor=executor, own_executor=True)
         self.calls = 0
 
     async def __call__(self, query: str) -> tuple[list[int], list[str]]:
@@ -316,11 +322,16 @@ class AgentLoop:
             raise ValueError("step hooks (ProCeed rewinds) need rollout.mode=async")
         self.activity = Activity()
         # Open even with no prompts: a rank with nothing to roll out still meets the others' retrieval rounds.
-        with searcher_session(self.searcher):
-            if self.mode == "lockstep":
-                episodes, calls = self._lockstep(prompts, metas)
-            else:
-                episodes, calls = asyncio.run(self._async(prompts, metas))
+        try:
+            with searcher_session(self.searcher):
+                if self.mode == "lockstep":
+                    episodes, calls = self._lockstep(prompts, metas)
+                else:
+                    episodes, calls = asyncio.run(self._async(prompts, metas))
+        finally:
+            end = getattr(self.engine, "end_rollout", None)
+            if end is not None:  # no thread of the rollout outlives it (fastcredit.runtime.threads)
+                end()
         seconds = time.perf_counter() - t0
         return self._result(episodes, group_id, seconds, calls)
 

@@ -1,6 +1,7 @@
 """The rollout's parts, from the config: sampling parameters, prompt ids, the agent loop, and the engine.
 
     loop = agent_loop(cfg, engine, searcher, greedy=True)         # what training and evaluation roll out with
+    mode, why = rollout_mode(cfg.rollout.mode, engine, hook)      # rollout.mode (auto: what the engine gains from)
     ids = prompt_ids(cfg, tokenizer, examples)                    # data.prompt_source / prompt_template, chat template
     engine = rollout_engine(cfg, tokenizer, start, device)        # rollout.engine from an EngineStart
     tokenizer, engine, searcher, kind, device = open_policy(cfg, folder, corpus)   # a saved model, ready to roll out
@@ -44,14 +45,35 @@ def sampling_params(cfg: TrainConfig, tokenizer, greedy: bool = False):
                           stop_token_ids=eos, logprobs=r.max_staleness > 0 and not greedy, seed=None)
 
 
+def rollout_mode(mode: str, engine, hook=None) -> tuple[str, str]:
+    """``(async | lockstep, why)`` for ``rollout.mode`` (``auto``: the schedule ``engine`` gains from).
+
+    Asynchronous turns pay where the engine batches in flight (``Engine.batches_in_flight``: vLLM's continuous
+    batching, where a turn back from its search joins the running batch at the next step). The HF engine decodes
+    each call's batch to its end, so a turn cannot join one in flight; measured side by side the two schedules take
+    the same time on it (docs/results.md), and lockstep is the plainer one. ProCeed's rewinds run inside a
+    trajectory's turns, which only the asynchronous loop has."""
+    if mode != "auto":
+        return mode, "set by rollout.mode"
+    if hook is not None:
+        return "async", "ProCeed's rewinds run inside a trajectory's own turns"
+    if getattr(engine, "batches_in_flight", False):
+        return "async", (f"{type(engine).__name__} batches in flight: a turn back from its search joins the running "
+                         "batch")
+    return "lockstep", (f"{type(engine).__name__} decodes each call's batch to its end, nothing joins in flight: "
+                        "asynchronous turns gain nothing on it")
+
+
 def agent_loop(cfg: TrainConfig, engine, searcher, greedy: bool = False, hook=None):
-    """The agent loop training and evaluation both roll out with (``rollout.*`` limits and mode,
-    ``retrieval.batch_size`` / ``batch_timeout_ms`` for the asynchronous retrieval batcher)."""
+    """The agent loop training and evaluation both roll out with (``rollout.*`` limits and mode, ``auto`` resolved
+    by :func:`rollout_mode`; ``retrieval.batch_size`` / ``batch_timeout_ms`` for the asynchronous retrieval
+    batcher)."""
     from fastcredit.rollout.agent import AgentLimits, AgentLoop
 
     r = cfg.retrieval
     params = sampling_params(cfg, engine.tokenizer, greedy)
-    return AgentLoop(engine, searcher, AgentLimits.from_config(cfg.rollout), params, mode=cfg.rollout.mode,
+    mode, _ = rollout_mode(cfg.rollout.mode, engine, hook)
+    return AgentLoop(engine, searcher, AgentLimits.from_config(cfg.rollout), params, mode=mode,
                      retrieval_batch=r.batch_size, retrieval_timeout_ms=r.batch_timeout_ms, step_hook=hook)
 
 

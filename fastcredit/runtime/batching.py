@@ -37,12 +37,15 @@ class MicroBatcher:
     """
 
     def __init__(self, fn: Callable[[list], Sequence], max_batch: int = 256, timeout_ms: float = 2.0,
-                 max_queue: int = 4096, executor: Optional[concurrent.futures.Executor] = None):
+                 max_queue: int = 4096, executor: Optional[concurrent.futures.Executor] = None,
+                 own_executor: Optional[bool] = None):
+        """``executor``: where ``fn`` runs (default: a worker thread of its own); ``own_executor``: :meth:`close`
+        shuts it down and waits for its thread to end (default: when the batcher made it)."""
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch ({max_batch}) and max_queue ({max_queue}) must be positive")
         self.fn, self.max_batch, self.timeout_s, self.max_queue = fn, max_batch, timeout_ms / 1000.0, max_queue
         self._executor = executor or device_executor(current_device(), "retrieval")
-        self._own_executor = executor is None
+        self._own_executor = executor is None if own_executor is None else own_executor
         self._pending: collections.deque = collections.deque()  # (items, future, arrival time)
         self._queued = 0
         self._wake: Optional[asyncio.Event] = None
@@ -70,7 +73,8 @@ class MicroBatcher:
                 fut.set_exception(RuntimeError("batcher closed"))
         self._pending.clear()
         if self._own_executor:
-            self._executor.shutdown(wait=False)
+            # waited for: a worker that ran torch ops keeps an OpenMP team while it lives (fastcredit.runtime.threads)
+            self._executor.shutdown(wait=True)
 
     async def submit(self, items: list) -> list:
         if self._task is None:

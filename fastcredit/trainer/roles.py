@@ -22,7 +22,7 @@ from fastcredit.config import ConfigError, TrainConfig
 from fastcredit.data.build import Data, load_data
 from fastcredit.models.build import frozen_copy, load_policy, policy_config, run_tokenizer
 from fastcredit.retrieval.searcher import Searcher, make_searcher
-from fastcredit.rollout.build import EngineStart, rollout_engine, vllm_start_folder
+from fastcredit.rollout.build import EngineStart, rollout_engine, rollout_mode, vllm_start_folder
 
 
 @dataclass
@@ -157,6 +157,8 @@ def build_rollout_side(cfg: TrainConfig, info, shared: Shared, out_dir: str, say
     backend = make_backend(cfg, engine, info.device, policy_config=policy_config)
     proceed_hook = build_proceed_hook(cfg, backend, engine, shared.tokenizer)
     judges = build_judge_phase(cfg, backend, engine, info.device)
+    mode, why = rollout_mode(cfg.rollout.mode, engine, proceed_hook)
+    say(f"rollout.mode=auto: {mode} ({why})" if cfg.rollout.mode == "auto" else f"rollout.mode={mode}")
     empty = start.lm is not None or start.load_format == "dummy"
     return RolloutSide(search, retriever, engine, proceed_hook, judges, getattr(backend, "weights", None), empty,
                        offloaded)

@@ -128,6 +128,33 @@ def test_late_requests_join_the_running_batch(setup):
     assert eng.driver.max_running >= 2 and steps_before >= 5
 
 
+def test_async_requests_leave_no_driver_thread(setup):
+    """On a CPU the scheduler steps run on the event loop's own thread (one OpenMP team a process); on a GPU in the
+    driver thread, which end_rollout ends. Either way no driver thread outlives the rollout."""
+    import asyncio
+    import threading
+
+    from fastcredit.runtime.threads import python_threads
+
+    tok, _, eng = setup
+    p = tok("river where", add_special_tokens=False)["input_ids"]
+    stepped = []
+    eng.between_steps = lambda: stepped.append(threading.current_thread().name)
+    try:
+        async def main():
+            return await asyncio.gather(*(eng.agenerate(p, SamplingParams(max_tokens=4, temperature=0.0))
+                                          for _ in range(3)))
+
+        outs = _run(main())
+    finally:
+        eng.between_steps = None
+    eng.end_rollout()
+    assert all(len(o.token_ids) == 4 for o in outs) and stepped
+    if not torch.cuda.is_available():
+        assert set(stepped) == {threading.current_thread().name}
+    assert "vllm-steps" not in python_threads() and not eng.driver.busy
+
+
 def test_cancelled_request_is_aborted(setup):
     import asyncio
 

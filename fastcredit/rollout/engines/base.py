@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from fastcredit.runtime.devices import device_executor
+from fastcredit.runtime.threads import rollout_executor
 
 
 @dataclass
@@ -53,6 +53,9 @@ class Engine(abc.ABC):
     # Called before each scheduler step (a micro-batch of the HF engine, an engine step of vLLM) in the engine's
     # own thread: a split placement's in-flight weight loads (rollout.partial) happen there.
     between_steps: Optional[Callable[[], None]] = None
+    # Whether a request that arrives while a batch decodes joins it at the next step (continuous batching): what
+    # rollout.mode=auto asks (fastcredit.rollout.build.rollout_mode).
+    batches_in_flight: bool = False
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -106,13 +109,21 @@ class Engine(abc.ABC):
         loop = asyncio.get_running_loop()
         batcher = getattr(self, "_batcher", None)
         if batcher is None or getattr(self, "_batcher_loop", None) is not loop:
-            if getattr(self, "_executor", None) is None:  # one worker thread for the engine's lifetime
-                self._executor = device_executor(getattr(self, "device", None), "engine")
+            if getattr(self, "_executor", None) is None:  # until end_rollout (fastcredit.runtime.threads)
+                self._executor = rollout_executor(getattr(self, "device", None), "engine")
             batcher = MicroBatcher(self._generate_items, self.max_batch, self.batch_timeout_ms, max_queue=1 << 20,
                                    executor=self._executor)
             batcher.start()
             self._batcher, self._batcher_loop = batcher, loop
         return (await batcher.submit([(list(prompt), params)]))[0]
+
+    def end_rollout(self) -> None:
+        """Let go of the threads the asynchronous API started (called when a rollout's event loop has ended): a
+        worker thread that ran torch ops keeps an OpenMP team alive, and with it every later op of the process
+        pays for parked workers (fastcredit.runtime.threads). The next ``agenerate`` starts afresh."""
+        executor, self._executor, self._batcher, self._batcher_loop = getattr(self, "_executor", None), None, None, None
+        if executor is not None:
+            executor.shutdown(wait=True)
 
     def _generate_items(self, items: list) -> list[GenOutput]:
         if self.between_steps is not None:

@@ -9,15 +9,19 @@ found in the row's decoded tail, ends the row right after the token that complet
 A row with an output grammar (``SamplingParams.constraint``) samples only the tokens its
 decoder allows and ends as soon as the grammar is complete (``fastcredit.judges.grammar``).
 The loop ends when every row has finished or used its ``max_tokens``. Finished rows are
-dropped from the batch (and from the KV cache) so long rows do not pay for short ones.
+dropped from the batch (and from the KV cache) so long rows do not pay for short ones. The
+prefill computes the last position's logits only, and with prefix caching a prompt that extends
+a finished row's tokens prefills only its new tokens (``hf_prefix``).
 """
 from __future__ import annotations
 
+import inspect
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
 from fastcredit.rollout.engines.base import Engine, GenOutput, SamplingParams
+from fastcredit.rollout.engines.hf_prefix import PrefixCache, join, row_kv
 
 _TAIL_TOKENS = 16  # tokens decoded to look for a stop string (the longest tag is a few tokens)
 
@@ -64,13 +68,21 @@ class HFEngine(Engine):
     """Generation with a transformers model on ``device``; ``max_batch`` rows per forward."""
 
     def __init__(self, model, tokenizer, device: Union[str, torch.device] = "cpu", max_batch: int = 64,
-                 batch_timeout_ms: float = 5.0):
+                 batch_timeout_ms: float = 5.0, prefix_caching: bool = False, prefix_budget_gib: float = 1.0):
+        """``prefix_caching``: keep each finished row's KV and prefill only what a later prompt adds to it
+        (``rollout.enable_prefix_caching``; :mod:`fastcredit.rollout.engines.hf_prefix`), within
+        ``prefix_budget_gib``."""
         self.model = model.to(device).eval()
         self.tokenizer, self.device = tokenizer, torch.device(device)
         self.max_batch, self.batch_timeout_ms = max_batch, batch_timeout_ms
         self.weight_dtype = next(self.model.parameters()).dtype
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._pieces: dict[int, str] = {}  # token id -> its text, for the stop-string check
+        self.prefix = PrefixCache(int(prefix_budget_gib * 2**30)) if prefix_caching else None
+        # The prefill needs the last position's logits only: transformers' causal LMs take logits_to_keep=1 and skip
+        # the LM head over every other prompt position ([R, L, V] logits: most of a small model's prefill).
+        self._last_only = ({"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters
+                           else {})
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: Union[SamplingParams, Sequence[SamplingParams]]) -> list[GenOutput]:
@@ -94,22 +106,13 @@ class HFEngine(Engine):
         R = len(prompts)
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        L = max(len(p) for p in prompts)
-        ids = torch.full((R, L), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((R, L), dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, L - len(p):] = torch.as_tensor(list(p))
-            mask[r, L - len(p):] = 1
-        pos = (mask.cumsum(1) - 1).clamp(min=0)
         gens = self._generators(params)
         toks: list[list[int]] = [[] for _ in range(R)]
         lps: list[list[float]] = [[] for _ in range(R)]
         done: list = [None] * R  # (finish_reason, stop_reason) once finished
         alive = list(range(R))
-        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=pos.to(self.device), use_cache=True)
+        out, mask, last_pos = self._prefill(prompts)
         cache, logits = out.past_key_values, out.logits[:, -1]
-        mask, last_pos = mask.to(self.device), pos[:, -1].to(self.device)
         procs = [None if p.constraint is None else p.constraint.decoder(
             p.constraint.tokenizer or self.tokenizer, p.max_tokens, logits.shape[-1], p.stop_token_ids) for p in params]
         while alive:
@@ -127,6 +130,8 @@ class HFEngine(Engine):
                     else self._finished(toks[r], params[r])
                 if done[r] is None:
                     keep.append(j)
+                elif self.prefix is not None:  # its KV covers the prompt and every token fed back (not the last)
+                    self.prefix.put(list(prompts[r]) + toks[r][:-1], row_kv(cache, j, mask[j].bool()))
             if len(keep) < len(alive):  # drop finished rows from the batch and the cache
                 if not keep:
                     break
@@ -141,6 +146,31 @@ class HFEngine(Engine):
             cache, logits = out.past_key_values, out.logits[:, -1]
         return [GenOutput(toks[r], lps[r] if params[r].logprobs else None, done[r][0], done[r][1],
                           version=self.weights_version) for r in range(R)]
+
+    def _prefill(self, prompts: Sequence[Sequence[int]]) -> tuple:
+        """The prompts' forward: ``(output, attention mask [R, T], last position [R])``. Rows whose prompt extends a
+        kept prefix run only the tokens after it (:mod:`~fastcredit.rollout.engines.hf_prefix`)."""
+        hits = [self.prefix.take(p) for p in prompts] if self.prefix is not None else []
+        if any(kv is not None for _, kv in hits):
+            ids, mask, pos, past = join(prompts, hits, self.pad_id, self.model.config, self.device)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=past,
+                             use_cache=True, **self._last_only)
+            return out, mask, pos[:, -1]
+        R, L = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((R, L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((R, L), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, L - len(p):] = torch.as_tensor(list(p))
+            mask[r, L - len(p):] = 1
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=pos.to(self.device), use_cache=True, **self._last_only)
+        return out, mask.to(self.device), pos[:, -1].to(self.device)
+
+    def end_rollout(self) -> None:
+        super().end_rollout()
+        if self.prefix is not None:  # the next rollout's prompts are new
+            self.prefix.clear()
 
     def _piece(self, tok: int) -> str:
         """One token's text, decoded once per engine."""
@@ -177,6 +207,8 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.prefix is not None:  # its KV came from the old weights
+            self.prefix.clear()
         own = self.model.state_dict(keep_vars=True)
         for name, t in named_tensors:
             if name not in own:
@@ -191,7 +223,8 @@ def make_engine(kind: str, model, tokenizer, rollout_cfg=None, device="cpu", mod
     ``memory_utilization`` overrides ``rollout.gpu_memory_utilization``; ``load_format`` ``dummy``: the
     folder's config only, weights streamed in later)."""
     if kind == "hf":
-        return HFEngine(model, tokenizer, device)
+        return HFEngine(model, tokenizer, device,
+                        prefix_caching=bool(getattr(rollout_cfg, "enable_prefix_caching", False)))
     if kind == "vllm":
         from fastcredit.rollout.engines.vllm import VLLMEngine
 

@@ -13,9 +13,11 @@ iterator is consumed there without serialisation. The prefix cache is reset afte
 since cached KV blocks were computed by the old weights.
 
 Continuous batching: every request, from ``generate`` or ``agenerate``, goes to one driver
-thread (:class:`StepLoop`) that owns vLLM's ``LLMEngine``: between two scheduler steps it adds
+(``steploop.StepLoop``) that owns vLLM's ``LLMEngine``: between two scheduler steps it adds
 what has arrived, so a turn whose observation came back joins the running batch at the
-next step instead of waiting for a batch to drain. Each finished request wakes its own
+next step instead of waiting for a batch to drain. The driver is a thread while asynchronous
+callers wait, ended when the rollout is over (``end_rollout``), or a blocking ``generate``'s own
+thread. Each finished request wakes its own
 caller (an asyncio future, or a blocking ``generate``). Cancelling an ``agenerate`` aborts its
 request in the engine; a request vLLM rejects fails alone; a failed engine step fails every
 request in flight with :class:`EngineError` and the engine refuses new ones, so no caller
@@ -38,160 +40,19 @@ continuous batching is the same and the weights stay one ``apply_model`` call aw
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import itertools
 import os
 import tempfile
-import threading
-import time
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from fastcredit.runtime.devices import bind_thread
 from fastcredit.rollout.engines import vllm_compat
 from fastcredit.rollout.engines.base import Engine, GenOutput, SamplingParams
+from fastcredit.rollout.engines.steploop import EngineError, StepLoop, settle_future
+from fastcredit.runtime.threads import runs_on_cpu
 
-# settle(result, error): called once per request from the driver thread
-Settle = Callable[[Optional[GenOutput], Optional[BaseException]], None]
-
-
-class EngineError(RuntimeError):
-    """A generation request failed: vLLM rejected it, an engine step raised, or the engine closed."""
-
-
-class StepLoop:
-    """Continuous batching over an in-process vLLM ``LLMEngine``, driven by one thread.
-
-    ``submit`` queues a request and returns at once; the thread adds queued requests between
-    scheduler steps and settles each request when it finishes. ``lock`` is held around every
-    engine call, so sleep / wake / weight loads (which take it too) never run inside a step.
-    """
-
-    def __init__(self, llm_engine, render: Callable, params: Callable, convert: Callable, device=None,
-                 version: Callable[[], Optional[int]] = lambda: None):
-        self._engine, self._render, self._params, self._convert = llm_engine, render, params, convert
-        self._version = version  # the weights' policy version a request starts with
-        # called in the driver thread before every scheduler step, under ``lock`` (in-flight weight loads)
-        self.between_steps: Optional[Callable[[], None]] = None
-        self.device = device  # the engine's device, bound in the driver thread before its first step
-        self.lock = threading.RLock()
-        self._cv = threading.Condition()
-        self._inbox: collections.deque = collections.deque()  # (request id, prompt, SamplingParams, settle)
-        self._aborts: list[str] = []
-        self._inflight: dict = {}  # request id -> (SamplingParams, settle, version); the driver thread's own
-        self._moving = 0  # taken from the inbox, not yet added to the engine
-        self._ids = itertools.count()
-        self._thread: Optional[threading.Thread] = None
-        self._closed = False
-        self.dead: Optional[BaseException] = None
-        self.steps, self.step_s, self.max_running = 0, 0.0, 0
-
-    @property
-    def busy(self) -> bool:
-        """Requests queued or running."""
-        return bool(self._inbox or self._inflight or self._moving)
-
-    def submit(self, prompt: Sequence[int], params: SamplingParams, settle: Settle) -> str:
-        rid = f"fc-{next(self._ids)}"
-        with self._cv:
-            if self.dead is not None:
-                raise EngineError(f"the vLLM engine failed earlier and takes no requests: {self.dead!r}") from self.dead
-            if self._closed:
-                raise EngineError("the vLLM engine is closed")
-            self._inbox.append((rid, list(prompt), params, settle))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="vllm-steps", daemon=True)
-                self._thread.start()
-            self._cv.notify()
-        return rid
-
-    def abort(self, rid: str) -> None:
-        """Drop a request (its caller is gone); it is never settled."""
-        with self._cv:
-            self._aborts.append(rid)
-            self._cv.notify()
-
-    def _take(self) -> Optional[tuple[list, list]]:
-        """What arrived since the last step (waits while there is nothing to do); None once closed."""
-        with self._cv:
-            while not (self._inbox or self._aborts or self._inflight or self._closed):
-                self._cv.wait()
-            if self._closed:
-                return None
-            new, aborts = list(self._inbox), self._aborts
-            self._moving = len(new)
-            self._inbox.clear()
-            self._aborts = []
-            return new, aborts
-
-    def _add(self, new: list, aborts: list) -> None:
-        gone = set(aborts)
-        for rid in aborts:
-            if self._inflight.pop(rid, None) is not None:
-                self._engine.abort_request([rid])
-        for rid, prompt, params, settle in new:
-            if rid in gone:
-                continue
-            try:
-                self._engine.add_request(rid, self._render(prompt), self._params(params))
-            except Exception as e:  # this request alone: too long for the model, bad parameters, ...
-                settle(None, EngineError(f"vLLM rejected the request ({len(prompt)} prompt tokens): {e}"))
-                continue
-            self._inflight[rid] = (params, settle, self._version())
-
-    def _run(self) -> None:
-        try:
-            bind_thread(self.device)
-            while (taken := self._take()) is not None:
-                with self.lock:
-                    self._add(*taken)
-                    self._moving = 0
-                    if not self._inflight:
-                        continue
-                    self.max_running = max(self.max_running, len(self._inflight))
-                    if self.between_steps is not None:
-                        self.between_steps()
-                    t = time.perf_counter()
-                    outs = self._engine.step()
-                    self.step_s += time.perf_counter() - t
-                    self.steps += 1
-                for o in outs:
-                    if o.finished and o.request_id in self._inflight:
-                        params, settle, version = self._inflight.pop(o.request_id)
-                        try:
-                            result = self._convert(o.outputs[0], params, version)
-                        except Exception as e:  # this request alone; its caller must not wait for ever
-                            settle(None, EngineError(f"reading vLLM's output failed: {e!r}"))
-                            continue
-                        settle(result, None)
-        except BaseException as e:  # noqa: BLE001  (every waiting caller learns why, then the thread ends)
-            self.dead = e
-        err = EngineError(f"vLLM engine step failed: {self.dead!r}") if self.dead is not None else \
-            EngineError("the vLLM engine was closed with requests in flight")
-        with self._cv:
-            waiting = [s for *_, s in self._inbox] + [s for _, s, _ in self._inflight.values()]
-            self._inbox.clear()
-            self._inflight.clear()
-        for settle in waiting:
-            settle(None, err)
-
-    def close(self, timeout: float = 30.0) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-
-def _settle_future(fut: asyncio.Future, result, error) -> None:
-    if not fut.done():  # a cancelled caller
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-
+__all__ = ["EngineError", "StepLoop", "VLLMEngine", "engine_kwargs", "in_process_env"]
 
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
@@ -278,6 +139,8 @@ class VLLMEngine(Engine):
     """vLLM ``LLM`` over a local model folder (``load_format="dummy"``: its config only, weights streamed in
     by :meth:`update_weights` before the first generation)."""
 
+    batches_in_flight = True  # StepLoop: continuous batching
+
     def __init__(self, model_path: str, tokenizer, rollout_cfg=None, device: Union[str, torch.device] = "cpu",
                  max_batch: int = 256, memory_utilization: Optional[float] = None, load_format: str = "auto"):
         in_process_env()
@@ -300,6 +163,7 @@ class VLLMEngine(Engine):
         self.llm = LLM(**kw)
         self.driver = StepLoop(self.llm.llm_engine, self._render, self._params, self._convert, self.device,
                                version=lambda: self.weights_version)
+        self._driving: Optional[tuple] = None  # (event loop, its scheduler-step task, that task's wake-up event)
 
     @classmethod
     def from_module(cls, model, tokenizer, rollout_cfg=None, device="cpu") -> "VLLMEngine":
@@ -337,26 +201,59 @@ class VLLMEngine(Engine):
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         futures = [concurrent.futures.Future() for _ in prompts]
         for p, q, fut in zip(prompts, params, futures):
-            self.driver.submit(p, q, lambda res, err, fut=fut: fut.set_exception(err) if err else fut.set_result(res))
+            self.driver.submit(p, q, lambda res, err, fut=fut: fut.set_exception(err) if err else fut.set_result(res),
+                               start=False)
+        self.driver.drive(lambda: all(f.done() for f in futures))
         return [f.result() for f in futures]
 
     async def agenerate(self, prompt: Sequence[int], params: SamplingParams) -> GenOutput:
-        """One request, settled when it finishes; cancelling the caller aborts it in the engine."""
+        """One request, settled when it finishes; cancelling the caller aborts it in the engine. On a CPU the
+        scheduler steps run on the caller's event loop (:meth:`_drive`), one OpenMP team a process; on a GPU in the
+        driver thread, which :meth:`end_rollout` ends."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
         def settle(res, err):
             try:
-                loop.call_soon_threadsafe(_settle_future, fut, res, err)
+                loop.call_soon_threadsafe(settle_future, fut, res, err)
             except RuntimeError:  # the caller's event loop is closed: nobody waits
                 pass
 
-        rid = self.driver.submit(prompt, params, settle)
+        kick = self._loop_driver(loop) if runs_on_cpu(self.device) else None
+        rid = self.driver.submit(prompt, params, settle, start=kick is None)
+        if kick is not None:
+            kick.set()
         try:
             return await fut
         except asyncio.CancelledError:
             self.driver.abort(rid)
+            if kick is not None:
+                kick.set()
             raise
+
+    def _loop_driver(self, loop) -> Optional[asyncio.Event]:
+        """The event that wakes the scheduler-step task of ``loop`` (started here, the loop's thread the driver);
+        None when another driver runs (a blocking ``generate`` in another thread)."""
+        if self._driving is not None and self._driving[0] is loop and not self._driving[1].done():
+            return self._driving[2]
+        if not self.driver.claim():
+            return None
+        kick = asyncio.Event()
+        self._driving = (loop, loop.create_task(self._drive(kick)), kick)
+        return kick
+
+    async def _drive(self, kick: asyncio.Event) -> None:
+        """Scheduler steps on the event loop's thread, the agent coroutines running between two of them (they take
+        their finished turns, search and queue the next ones, which join the batch at the next step)."""
+        try:
+            while True:
+                if self.driver.step_here():
+                    await asyncio.sleep(0)
+                else:
+                    kick.clear()
+                    await kick.wait()
+        finally:
+            self.driver.unclaim()
 
     def _convert(self, c, p: SamplingParams, version: Optional[int] = None) -> GenOutput:
         ids = list(c.token_ids)
@@ -415,6 +312,11 @@ class VLLMEngine(Engine):
         dev = self.device
         vllm_compat.reload_weights(self.llm, ((n, t.detach().to(dev)) for n, t in named_tensors))
         vllm_compat.reset_prefix_cache(self.llm, running=True)
+
+    def end_rollout(self) -> None:
+        """The driver thread ends (fastcredit.runtime.threads: one OpenMP team per process between rollouts)."""
+        self._driving = None
+        self.driver.release()
 
     def close(self) -> None:
         self.driver.close()
