@@ -223,22 +223,28 @@ def run_design_process(name: str, config: str, overrides: list[str], work: str, 
 
 
 def run_rounds(a, common: list[str], world: str, work: str) -> dict:
-    """``--rounds`` rounds, each a fresh process of fastcredit's design then one of the Search-R1 design (its
-    ``/retrieve`` server up beside it), their timed steps pooled: a machine whose speed drifts over minutes (a shared
-    host) moves both designs alike instead of the one that ran later."""
+    """``--rounds`` rounds, each a fresh process of each design (the Search-R1 design's ``/retrieve`` server up
+    beside it), the order swapped every round (fastcredit first, then the Search-R1 design first, ...), their timed
+    steps pooled: a machine whose speed drifts over minutes (a shared host) moves both designs alike instead of the
+    one that ran later. The first round always starts with fastcredit's, which makes the warm start."""
     runs: dict = {}
     for r in range(a.rounds):
-        print(f"round {r + 1}/{a.rounds}", flush=True)
-        got = {"fastcredit": run_design_process("fastcredit", a.config, common, work, a.steps, a.warmup)}
-        server = RetrievalServer(os.path.join(world, "corpus.jsonl"), os.path.join(work, "retrieval_server.log"))
-        try:
-            server.wait()
-            got["searchr1_design"] = run_design_process("searchr1_design", a.config,
-                                                        [*common, f"retrieval.url={server.url}"], work, a.steps,
-                                                        a.warmup)
-        finally:
-            server.close()
-        for name, run in got.items():
+        order = ("fastcredit", "searchr1_design") if r % 2 == 0 else ("searchr1_design", "fastcredit")
+        print(f"round {r + 1}/{a.rounds}: {' then '.join(order)}", flush=True)
+        got = {}
+        for name in order:
+            if name == "fastcredit":
+                got[name] = run_design_process(name, a.config, common, work, a.steps, a.warmup)
+                continue
+            server = RetrievalServer(os.path.join(world, "corpus.jsonl"), os.path.join(work, "retrieval_server.log"))
+            try:
+                server.wait()
+                got[name] = run_design_process(name, a.config, [*common, f"retrieval.url={server.url}"], work,
+                                               a.steps, a.warmup)
+            finally:
+                server.close()
+        for name in ("fastcredit", "searchr1_design"):
+            run = got[name]
             if name not in runs:
                 runs[name] = run
                 continue
