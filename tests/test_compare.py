@@ -114,6 +114,24 @@ def test_help_shows_each_example_command_as_written(capsys):
     assert any(line.strip().startswith("--seeds 6 --noise 0 --jobs 2") for line in lines)
 
 
+def test_igsearch_is_a_method_help_names_and_the_credit_table_reports_all_fail_groups(capsys):
+    from fastcredit.compare.runs import main, parse_args
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "igsearch" in out[out.index("--methods"):] and "--methods grpo,gigpo,igsearch" in out
+    args, _ = parse_args(["--methods", "grpo,gigpo,igsearch"])
+    assert args.methods == ["grpo", "gigpo", "igsearch"]
+    assert variants(["igsearch"], 0.2) == [("igsearch", ["credit.estimator=igsearch"])]  # no judge, no noisy variant
+    s = summarize_run([{"step": 1, "reward": 0.5, "credit/all_fail_nonzero_frac": 0.25},
+                       {"step": 2, "reward": 0.5, "credit/all_fail_nonzero_frac": 0.75}])
+    assert s["credit"]["all_fail_nonzero_frac"] == pytest.approx(0.5)
+    run = {"eval_em": {"0": 0.5, "20": 0.6}, "steps": 20, "seconds_per_step": 1.0, "judge_calls_per_step": 0.0}
+    md = format_markdown(summarize({"igsearch": [{**s, **run, "seed": 0}]}, None), "cpu", "x")
+    assert "all-fail groups with A ≠ 0 |" in md and md.count("| igsearch | – | – | – | – | – | – | – | 0.500 |") == 1
+
+
 def test_default_and_relative_paths_name_the_checkouts_files(tmp_path, monkeypatch):
     """The defaults are the checkout's configs/compare.yaml and bench/results; paths given relative to where the
     command starts are made whole (its runs start in the checkout's folder)."""

@@ -146,13 +146,13 @@ def test_a_killed_rollout_rank_then_a_killed_training_rank_lose_and_repeat_no_tr
 MATRIX = os.environ.get("FASTCREDIT_SPLIT_MATRIX") == "1"
 ESTIMATORS = {
     "grpo": [], "ppo": [], "criticsearch": ["judges.backend=oracle"], "cwgrpo": ["judges.backend=oracle"],
-    "pica": ["judges.prm=oracle"], "gigpo": ["credit.gigpo.match=similar"],
+    "pica": ["judges.prm=oracle"], "gigpo": ["credit.gigpo.match=similar"], "igsearch": [],
     "proceed": ["rollout.proceed.enabled=true", "rollout.n_samples=4", "credit.dynamic_sampling.enabled=true",
                 "judges.backend=oracle"],
 }
 
 
-@pytest.mark.skipif(not MATRIX, reason="the full matrix (21 torchrun runs) runs with FASTCREDIT_SPLIT_MATRIX=1")
+@pytest.mark.skipif(not MATRIX, reason="the full matrix (24 torchrun runs) runs with FASTCREDIT_SPLIT_MATRIX=1")
 @pytest.mark.parametrize("k", [0, 1, 2])
 @pytest.mark.parametrize("estimator", list(ESTIMATORS))
 def test_every_estimator_at_every_staleness(tmp_path, estimator, k):

@@ -32,7 +32,8 @@ CREDIT_METRICS = {"turn_auc": "turn AUC", "turn_auc_within": "AUC within traject
                   "miscredit_frac/wasted_in_success": "wasted search in success, A > 0",
                   "miscredit_frac/good_in_failure": "good search in failure, A < 0",
                   "degenerate_adv_share": "advantage mass in same-outcome groups",
-                  "all_fail_group_frac": "all-fail groups"}
+                  "all_fail_group_frac": "all-fail groups",
+                  "all_fail_nonzero_frac": "all-fail groups with A ≠ 0"}
 # What the sampled policy does (metrics.jsonl's training-step names) and their headers: the third table. A policy
 # that keeps wasted searches which still succeed (what the turn-level papers say outcome-only GRPO reinforces)
 # makes more searches and turns per trajectory for the same EM.
@@ -309,7 +310,8 @@ def credit_markdown(summary: dict) -> list[str]:
              "*within trajectories*: the same inside each trajectory holding both, averaged. *Wasted search in "
              "success, A > 0* and *good search in failure, A < 0*: the share of such turns credited the wrong "
              "way. *Advantage mass in same-outcome groups*: share of Σ|A| over tokens in groups whose samples all "
-             "succeeded or all failed. –: the runs logged none.", "",
+             "succeeded or all failed. *All-fail groups with A ≠ 0*: of the groups where every sample failed (GRPO's "
+             "advantage is 0 there), the share in which some token's advantage is not. –: the runs logged none.", "",
              "| method | labels | " + " | ".join(CREDIT_METRICS.values()) + " |",
              "|---|---|" + "---:|" * len(CREDIT_METRICS)]
     for label, t in summary["methods"].items():

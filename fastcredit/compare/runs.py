@@ -7,6 +7,8 @@
     nohup python -m fastcredit.compare --config configs/compare.yaml > runs/compare.log 2>&1 &   # in the background
     python -m fastcredit.compare --config configs/compare_starved.yaml --methods grpo,gigpo,criticsearch,pica \\
         --seeds 6 --noise 0 --jobs 2        # the powered comparison (docs/results.md), resumable across sessions
+    python -m fastcredit.compare --config configs/compare_starved.yaml --methods grpo,gigpo,igsearch \\
+        --seeds 6 --noise 0 --jobs 2        # IG-Search against GRPO and GiGPO on the same preset
 
 One warm start is made (or loaded: ``warmstart.cache_dir``) and shared by every run; then each
 method trains for the same steps, prompts and samples with the toy world's oracle judges, and,
@@ -46,7 +48,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # What each method adds to the shared config: its estimator and the judge it reads (the oracle on the toy world).
 # ProCeedRL runs without DAPO's dynamic sampling here, so every method sees the same prompts per step. PPO and PiCA
 # whiten their GAE advantages over the batch, as veRL (Search-R1's and PiCA's trainer) always does; GiGPO matches
-# similar anchor states at verl-agent's search-recipe threshold (configs/gigpo.yaml).
+# similar anchor states at verl-agent's search-recipe threshold (configs/gigpo.yaml). IG-Search needs no judge: the
+# policy scores the gold answer after each search itself (docs/methods.md §11).
 METHODS = {
     "grpo": ["credit.estimator=grpo"],
     "ppo": ["credit.estimator=ppo", "credit.whiten_advantages=true"],
@@ -55,6 +58,7 @@ METHODS = {
     "proceed": ["credit.estimator=proceed", "rollout.proceed.enabled=true", "judges.backend=oracle"],
     "pica": ["credit.estimator=pica", "judges.prm=oracle", "credit.whiten_advantages=true"],
     "gigpo": ["credit.estimator=gigpo", "credit.gigpo.match=similar", "credit.gigpo.threshold=0.9"],
+    "igsearch": ["credit.estimator=igsearch"],
 }
 JUDGED = ("criticsearch", "cwgrpo", "proceed", "pica")
 QUICK_STEP_SHARE = 0.5  # --quick: this share of optim.total_steps, one seed

@@ -89,6 +89,21 @@ class GiGPOConfig:
 
 
 @dataclass
+class IGSearchConfig:
+    delta: float = opt(0.1, "dead zone: a search turn's information gain (nats per gold token) with |IG| < delta "
+                            "counts as 0", range=NONNEG)
+    neg_scale: float = opt(0.5, "lambda: a negative information gain is multiplied by it before the soft clip",
+                           range=UNIT, note="1: both signs alike")
+    clip: float = opt(1.0, "c of the soft clip c * tanh(g / c)", range=POS)
+    alpha: float = opt(1.0, "weight of the clipped gain, spread over the query's tokens: A = A^ + alpha * IG~ / |Q|",
+                       range=NONNEG, note="0: grpo")
+    n_random: int = opt(3, "N: observations drawn from the step's other search turns for the counterfactual baseline",
+                        range=COUNT)
+    max_golds: int = opt(3, "score at most this many of a question's gold answers (the best one is kept)",
+                         range=COUNT)
+
+
+@dataclass
 class DynamicSamplingConfig:
     enabled: bool = opt(False, "DAPO: drop groups whose rewards are all equal and refill with new prompts")
     max_refill_rounds: int = opt(3, "extra sampling rounds to refill dropped groups before training on fewer",
@@ -97,8 +112,8 @@ class DynamicSamplingConfig:
 
 @dataclass
 class CreditConfig:
-    estimator: Literal["grpo", "ppo", "criticsearch", "cwgrpo", "proceed", "pica", "gigpo"] = opt(
-        "grpo", "advantage estimator (docs/methods.md sections 1-6 and 10)")
+    estimator: Literal["grpo", "ppo", "criticsearch", "cwgrpo", "proceed", "pica", "gigpo", "igsearch"] = opt(
+        "grpo", "advantage estimator (docs/methods.md sections 1-6, 10 and 11)")
     reward: Literal["criticsearch", "em", "f1", "f1_format"] = opt(
         "criticsearch", "outcome reward: CriticSearch Eq. 4, plain EM, F1, or F1 + format (PiCA)")
     lambda_f: float = opt(0.2, "format weight of CriticSearch Eq. 4", range=UNIT)
@@ -117,4 +132,5 @@ class CreditConfig:
     pica: PiCAConfig = opt(PiCAConfig, "PiCA switches")
     proceed: ProceedConfig = opt(ProceedConfig, "ProCeedRL loss weights")
     gigpo: GiGPOConfig = opt(GiGPOConfig, "GiGPO switches")
+    igsearch: IGSearchConfig = opt(IGSearchConfig, "IG-Search's information gain and its mapping to advantages")
     dynamic_sampling: DynamicSamplingConfig = opt(DynamicSamplingConfig, "DAPO dynamic sampling")

@@ -1,6 +1,6 @@
 """Credit assignment: outcome rewards and judge outputs in, per-turn / per-token advantages out.
 
-Pure tensor functions, chosen by name (docs/methods.md §1-6, §10)::
+Pure tensor functions, chosen by name (docs/methods.md §1-6, §10, §11)::
 
     from fastcredit.credit import CreditInputs, compute_advantages, estimator_needs
     inputs = CreditInputs.from_batch(batch, reward_B, critic_label_S=..., values_N=...)
@@ -11,6 +11,7 @@ Pure tensor functions, chosen by name (docs/methods.md §1-6, §10)::
     segments.py    vectorised group / segment reductions and the discounted scan
     grpo.py … pica.py   one estimator each; reference.py holds their loop-based references
     gigpo.py       GiGPO, its loop reference beside it; anchors.py builds its step groups
+    igsearch.py    IG-Search: the information gain on the search queries over GRPO, its loop reference beside it
     dapo.py        DAPO dynamic sampling (which groups to drop, how many prompts to refill)
     metrics.py     the advantage statistics every estimator reports
     accuracy.py    credit accuracy per turn: turn AUC and miscredit against good / wasted search labels

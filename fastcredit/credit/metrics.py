@@ -18,6 +18,9 @@ the loss (``loss_mask_N``, else every action token):
   the share in groups whose samples all got the same outcome (all EM 1 or all EM 0): credit
   that can only come from the format bonus, a partial reward, a value baseline or a judge.
 * ``all_fail_group_frac``: share of the batch's groups in which no sample succeeded (EM 0).
+* ``all_fail_nonzero_frac``: of those all-fail groups, the share in which some counted token has a nonzero
+  advantage (|A| > 1e-8): the groups outcome-only GRPO learns nothing from where the method still pushes
+  (a format bonus, a value baseline, a judge, a step reward); absent in a batch without an all-fail group.
 
 The per-turn accuracy of the credit against good / wasted search labels is in
 :mod:`fastcredit.credit.accuracy` (it needs labels the estimator does not read).
@@ -27,7 +30,8 @@ Each estimator adds its own: ``degenerate_group_frac`` (group-based ones),
 scored search turns, the share labelled Good), ``contributive_round_frac`` (cwgrpo: of the
 judged rounds, non-final rounds of successes, the share with ``p = u·v = 1``; another judge
 over other turns, hence another name), ``weight_entropy`` and ``judge_failure_rate``
-(cwgrpo), ``demo_token_frac`` and ``masked_token_frac`` (proceed), ``step_reward_mean`` (pica).
+(cwgrpo), ``demo_token_frac`` and ``masked_token_frac`` (proceed), ``step_reward_mean`` (pica),
+``ig_scored_frac``, ``ig_mean``, ``ig_positive_frac``, ``ig_dead_frac`` and ``ig_shaped_mean`` (igsearch).
 """
 from __future__ import annotations
 
@@ -45,11 +49,15 @@ def succeeded(em_B: torch.Tensor) -> torch.Tensor:
 
 
 def outcome_metrics(inputs: CreditInputs, adv_C: torch.Tensor, traj_C: torch.Tensor) -> dict:
-    """``degenerate_adv_share`` and ``all_fail_group_frac`` (module docstring) from the counted tokens' advantages
-    ``adv_C`` (float64) and their trajectories ``traj_C``."""
+    """``degenerate_adv_share``, ``all_fail_group_frac`` and ``all_fail_nonzero_frac`` (module docstring) from the
+    counted tokens' advantages ``adv_C`` (float64) and their trajectories ``traj_C``."""
     success_B = succeeded(inputs.em_B)
     inv_B, G = group_index(inputs.group_id_B)
-    metrics = {"all_fail_group_frac": float((seg_max(success_B.double(), inv_B, G) < 0.5).double().mean())}
+    fail_G = seg_max(success_B.double(), inv_B, G) < 0.5
+    metrics = {"all_fail_group_frac": float(fail_G.double().mean())}
+    if bool(fail_G.any()):
+        live_G = seg_max((adv_C.abs() > ZERO_ADV_TOL).double(), inv_B[traj_C], G) > 0.5
+        metrics["all_fail_nonzero_frac"] = float(live_G[fail_G].double().mean())
     mass_C = adv_C.abs()
     total = float(mass_C.sum())
     if total > 0.0:

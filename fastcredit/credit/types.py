@@ -56,11 +56,17 @@ class Needs:
     judge: Optional[str] = None  # "critic" (per-search-turn labels), "round_judge" (CW-GRPO), "prm" (PiCA)
     value_model: bool = False  # trains a value model on ``returns_N``; ``values_N`` is given
     proceed_rollout: bool = False  # the batch comes from ProCeed rewind-and-refine rollouts
+    gold_answers: bool = False  # the step keeps each trajectory's gold answers for the training side
+    # IG-Search: the training side scores the gold answer under the rollout policy after each search turn (one more
+    # packed no-grad forward beside the old log-probs, its own timed phase) and gives ig_S and the query spans
+    answer_scoring: bool = False
     inputs: tuple = ()  # CreditInputs fields that must be given
 
     def __post_init__(self) -> None:
         if self.judge is not None and self.judge not in JUDGE_KINDS:
             raise ValueError(f"unknown judge kind {self.judge!r}; valid: {', '.join(JUDGE_KINDS)}")
+        if self.answer_scoring and not self.gold_answers:
+            raise ValueError("Needs.answer_scoring scores the gold answers: it needs gold_answers=True too")
         unknown = [n for n in self.inputs if n not in {f.name for f in fields(CreditInputs)}]
         if unknown:
             raise ValueError(f"Needs.inputs names unknown CreditInputs fields: {', '.join(unknown)}")
@@ -102,6 +108,9 @@ class CreditInputs:
     prm_f0_B: Optional[torch.Tensor] = None  # float [B] PiCA f(0): success probability from the question
     prm_f_S: Optional[torch.Tensor] = None  # float [S] PiCA f(t) after turn t
     prm_hazard_S: Optional[torch.Tensor] = None  # float [S] PiCA hazard h_t (pica.step_reward=linear)
+    ig_S: Optional[torch.Tensor] = None  # float [S] IG-Search information gain of a search turn; NaN: not scored
+    seg_query_start_S: Optional[torch.Tensor] = None  # int64 [S] offset of the query's first token in the action
+    seg_query_len_S: Optional[torch.Tensor] = None  # int64 [S] |Q|: tokens between <search> and </search> (0: none)
     values_N: Optional[torch.Tensor] = None  # float [N] V of the state each token is generated in
     old_logp_N: Optional[torch.Tensor] = None  # float [N] behaviour-policy log-probs (KL in reward)
     ref_logp_N: Optional[torch.Tensor] = None  # float [N] reference-policy log-probs (KL in reward)

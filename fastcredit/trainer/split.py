@@ -70,8 +70,10 @@ def merge_collected(msgs: list) -> Collected:
     keys = set().union(*(p.metrics for p in parts))
     metrics = {k: sum(p.metrics[k] for p in parts if k in p.metrics) / sum(k in p.metrics for p in parts)
                for k in keys}
+    golds = None if any(p.golds is None for p in parts) else [g for p in parts for g in p.golds]
     return Collected([ids for p in parts for ids in p.prompt_ids], concat([p.batch for p in parts]),
-                     torch.cat([p.reward_B for p in parts]), extras, labels, metrics, sum(p.tokens for p in parts))
+                     torch.cat([p.reward_B for p in parts]), extras, labels, metrics, sum(p.tokens for p in parts),
+                     golds)
 
 
 class SplitTrainer(Trainer):

@@ -4,7 +4,8 @@ Legend (shape suffixes): B trajectories, N packed response tokens.
 
 rollout (async agent loop; ProCeed rewinds) → outcome rewards → dynamic sampling (DAPO)
 (``fastcredit.trainer.sampling``) → judges (critic / judge / PRM) → old log-probs,
-reference log-probs, values (three phases) → estimator by name (and its credit accuracy against good / wasted
+reference log-probs, values (three phases) → IG-Search's answer scores when the estimator declares
+them (``ig_score``, ``fastcredit.trainer.igscore``) → estimator by name (and its credit accuracy against good / wasted
 search labels, ``fastcredit.trainer.credit_labels``) → PPO epochs over mini- and
 micro-batches (``fastcredit.trainer.update``; the learning rate set before each optimizer
 step) → weight sync into the rollout engine at the next rollout. Each rank rolls out its
@@ -24,6 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from fastcredit.config import TrainConfig
+from fastcredit.credit.registry import estimator_needs
 from fastcredit.distributed.process_group import DistInfo, all_reduce_sum, max_over_ranks, mean_over_ranks
 from fastcredit.runtime.profiling import PhaseTimer, nvtx_range
 from fastcredit.trainer.credit_labels import credit_accuracy, turn_labels
@@ -45,6 +47,7 @@ class Collected:
     labels: Optional[tuple]  # (label_S, source) good / wasted search labels (credit_labels.turn_labels)
     metrics: dict  # the rollout's, rewards', DAPO's and judges' metrics (this rank's)
     tokens: float  # prompt + response tokens
+    golds: Optional[list] = None  # [B] each trajectory's gold answers, when the estimator needs them (IG-Search)
 
 
 def train_step(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, sampler, step: int,
@@ -74,23 +77,30 @@ def collect(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, s
     metrics.update(jm)
     labels = turn_labels(result.batch, reward, result.episodes, examples, extras)
     tokens = float(result.batch.num_tokens + sum(len(p) for p in result.prompt_ids))
-    return Collected(result.prompt_ids, result.batch, reward, extras, labels, metrics, tokens)
+    golds = [list(ex.golden_answers) for ex in examples] if estimator_needs(cfg.credit.estimator).gold_answers \
+        else None
+    return Collected(result.prompt_ids, result.batch, reward, extras, labels, metrics, tokens, golds)
 
 
 def learn(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, got: Collected, step: int,
           lr: LRSchedule, bound: int) -> dict:
-    """Train step ``step`` on ``got``: log-probs, the decoupled correction of turns up to ``bound`` versions old
-    (StalenessError beyond), advantages, credit accuracy, the update; the policy's version is then ``step + 1``.
-    Returns the step's metrics (this rank's; the actor's and critic's already global)."""
+    """Train step ``step`` on ``got``: log-probs (and IG-Search's answer scores), the decoupled correction of turns
+    up to ``bound`` versions old (StalenessError beyond), advantages, credit accuracy, the update; the policy's
+    version is then ``step + 1``. Returns the step's metrics (this rank's; the actor's and critic's already global)."""
     metrics = dict(got.metrics)
     old, ref, values = score_tokens(parts, cfg, info, timer, got.prompt_ids, got.batch)
+    extras = got.extras
+    if estimator_needs(cfg.credit.estimator).answer_scoring:
+        scored, sm = score_answers(parts, cfg, info, timer, got, step)
+        extras = {**extras, **scored}
+        metrics.update(sm)
     behaviour_N, om = behaviour_correction(got.batch, old, step, bound, cfg.loss.behaviour_weight_cap,
                                            cfg.loss.behaviour_weight_mode)
     metrics.update(om)
     with timer.phase("advantage"):
-        credit = advantages(cfg, info, got.batch, got.reward_B, old, ref, values, got.extras)
+        credit = advantages(cfg, info, got.batch, got.reward_B, old, ref, values, extras)
     metrics.update({f"credit/{k}": v for k, v in credit.metrics.items()})
-    metrics.update(credit_accuracy(got.batch, got.reward_B, got.extras, credit, got.labels))
+    metrics.update(credit_accuracy(got.batch, got.reward_B, extras, credit, got.labels))
     with timer.phase("update"), parts.phases.train():
         metrics.update(update(parts, cfg, info, lr, got.prompt_ids, got.batch, credit, old, ref, values,
                               behaviour_N))
@@ -120,6 +130,21 @@ def score_tokens(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTim
             with timer.phase("values"):
                 values = forward_values(parts.value, prompts, batch, info.device, mt, most)
     return old, ref, values
+
+
+def score_answers(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, got: Collected,
+                  step: int) -> tuple[dict, dict]:
+    """IG-Search's scoring phase (``ig_score``, timed on its own, beside the old log-probs with the training state
+    where it is): each search turn's information gain under the policy and its query span, as CreditInputs
+    fields, and the phase's metrics (``fastcredit.trainer.igscore``). The counterfactual draws are seeded by the
+    run's seed, the step and the rank."""
+    from fastcredit.trainer.igscore import score_information_gain
+
+    seed = cfg.seed * 1_000_003 + step * 10_007 + info.rank * 7_000_001
+    with parts.phases.train(), timer.phase("ig_score"):
+        return score_information_gain(parts.policy, got.prompt_ids, got.batch, got.golds, parts.tokenizer,
+                                      cfg.credit.igsearch, info.device, cfg.optim.micro_batch_tokens,
+                                      cfg.rollout.temperature, seed, lambda n: max_over_ranks(n, info))
 
 
 def advantages(cfg: TrainConfig, info: DistInfo, batch, reward_B: torch.Tensor, old_logp_N, ref_logp_N, values_N,

@@ -97,6 +97,13 @@ EXPECTED = [
     ("pica", "loss.kl_coef", 0.0, "PiCA Table 5: no KL loss (use_kl_loss False)"),
     ("pica", "credit.whiten_advantages", True, "PiCA's Search-R1 core_algos: whitened GAE"),
     ("pica", "loss.value_clip", 0.5, "PiCA's ppo_trainer.yaml: critic.cliprange_value 0.5"),
+    ("igsearch", "credit.estimator", "igsearch", "IG-Search: GRPO with information-gain step rewards"),
+    ("igsearch", "model.policy", "models/Qwen2.5-3B", "IG-Search: Qwen2.5-3B"),
+    ("igsearch", "rollout.n_samples", 5, "IG-Search: 5 samples a group"),
+    ("igsearch", "rollout.max_turns", 6, "IG-Search: at most 5 searches, plus the answer-only turn"),
+    ("igsearch", "retrieval.topk", 3, "IG-Search: top-3 documents"),
+    ("igsearch", "credit.reward", "em", "IG-Search: EM outcome reward"),
+    ("igsearch", "credit.igsearch.n_random", 3, "IG-Search ig_reward.py: n_random_per_step=3"),
 ]
 
 
@@ -129,7 +136,8 @@ def test_proceed_total_steps_is_not_the_per_trajectory_step_budget():
     assert pr.optim.total_steps != pr.rollout.max_turns and pr.optim.total_steps == 4000 // pr.optim.batch_prompts
 
 
-@pytest.mark.parametrize("name", ["searchr1_grpo", "searchr1_ppo", "criticsearch", "cwgrpo", "proceed", "pica"])
+@pytest.mark.parametrize("name", ["searchr1_grpo", "searchr1_ppo", "criticsearch", "cwgrpo", "proceed", "pica",
+                                  "igsearch"])
 def test_method_configs_read_real_data_and_the_overlays_the_toy_world(name):
     assert _config(name).data.source == "searchr1"
     for overlay in ("demo", "debug"):

@@ -13,12 +13,12 @@ from fastcredit.config.loss import LossConfig
 from fastcredit.credit.metrics import estimator_metrics
 from fastcredit.rollout.trajectory import Turn, from_turns
 
-METHODS = ["criticsearch", "cwgrpo", "gigpo", "grpo", "pica", "ppo", "proceed"]
+METHODS = ["criticsearch", "cwgrpo", "gigpo", "grpo", "igsearch", "pica", "ppo", "proceed"]
 
 
 def test_registry_names_and_unknown_name():
     assert estimator_names() == METHODS
-    with pytest.raises(KeyError, match="valid: criticsearch, cwgrpo, gigpo, grpo, pica, ppo, proceed"):
+    with pytest.raises(KeyError, match="valid: criticsearch, cwgrpo, gigpo, grpo, igsearch, pica, ppo, proceed"):
         get_estimator("gae")
     for name in METHODS:
         assert get_estimator(name) is not get_estimator(name, reference=True)
@@ -96,6 +96,25 @@ def test_common_metrics_by_turn_kind():
     same = CreditInputs.from_batch(from_turns([[Turn([1], "answer")], [Turn([1], "answer")]], group_id=[0, 0],
                                               em=[1.0, 1.0]), [1.0, 1.0])
     assert "against_outcome_frac" not in estimator_metrics(same, CreditResult(adv_S=torch.tensor([1.0, -1.0])))
+
+
+def test_all_fail_groups_with_a_nonzero_advantage():
+    """Of the groups whose samples all failed (EM 0), the share in which some counted token's advantage is not 0;
+    absent without such a group."""
+    batch = from_turns([[Turn([1, 1], "answer")], [Turn([1], "answer")], [Turn([1], "answer")],
+                        [Turn([1, 1], "answer")], [Turn([1], "answer")]], group_id=[0, 0, 1, 1, 2],
+                       em=[0.0, 0.0, 0.0, 0.0, 1.0])
+    inputs = CreditInputs.from_batch(batch, [0.2, 0.0, 0.0, 0.0, 1.0])
+    # group 0 failed but one token moves, group 1 failed and nothing moves, group 2 succeeded
+    m = estimator_metrics(inputs, CreditResult(adv_N=torch.tensor([0.0, 0.3, 0.0, 0.0, 0.0, 0.0, 1.0])))
+    assert m["all_fail_group_frac"] == pytest.approx(2 / 3) and m["all_fail_nonzero_frac"] == 0.5
+    # masked tokens do not count
+    mask = torch.tensor([True, False, True, True, True, True, True])
+    m = estimator_metrics(inputs, CreditResult(adv_N=torch.tensor([0.0, 0.3, 0.0, 0.0, 0.0, 0.0, 1.0]),
+                                               loss_mask_N=mask))
+    assert m["all_fail_nonzero_frac"] == 0.0
+    assert compute_advantages("grpo", inputs, CreditConfig()).metrics["all_fail_nonzero_frac"] == 0.5  # 0.2 vs 0
+    assert "all_fail_nonzero_frac" not in estimator_metrics(_inputs(), CreditResult(adv_S=torch.zeros(3)))
 
 
 def test_grpo_reports_degenerate_groups():

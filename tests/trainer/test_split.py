@@ -69,8 +69,11 @@ def test_the_batches_of_two_rollout_ranks_merge_in_rank_order():
     assert got.extras["prm_f0_B"] is None
     assert got.labels[0].tolist() == [0, 1, 2, 1, 2] and got.labels[1] == "gold"
     assert got.metrics == {"reward": 0.5, "only_here": 1.0}  # a metric only one rank has: its own value
-    assert got.tokens == 20.0 and len(got.prompt_ids) == 3
+    assert got.tokens == 20.0 and len(got.prompt_ids) == 3 and got.golds is None
     assert merge_collected([{"collected": a}]) is a
+    # the gold answers an estimator asked for (IG-Search) follow their trajectories
+    a.golds, b.golds = [["x"], ["y", "z"]], [["w"]]
+    assert merge_collected([{"collected": a}, {"collected": b}]).golds == [["x"], ["y", "z"], ["w"]]
 
 
 def _inbox() -> WeightInbox:
