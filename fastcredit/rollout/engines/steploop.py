@@ -31,7 +31,8 @@ class StepLoop:
     engine call, so sleep / wake / weight loads (which take it too) never run inside a step.
     The driver is a thread of its own while asynchronous callers wait (:meth:`release` ends it
     once the rollout is over: a thread that ran torch ops on a CPU keeps an OpenMP team alive,
-    fastcredit.runtime.threads), or the blocking caller itself (:meth:`drive`).
+    fastcredit.runtime.threads), the blocking caller itself (:meth:`drive`), or a caller that
+    takes the role (:meth:`claim`) and steps it (:meth:`step_here`: the CPU event loop's task).
     """
 
     def __init__(self, llm_engine, render: Callable, params: Callable, convert: Callable, device=None,

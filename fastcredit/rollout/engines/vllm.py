@@ -15,9 +15,10 @@ since cached KV blocks were computed by the old weights.
 Continuous batching: every request, from ``generate`` or ``agenerate``, goes to one driver
 (``steploop.StepLoop``) that owns vLLM's ``LLMEngine``: between two scheduler steps it adds
 what has arrived, so a turn whose observation came back joins the running batch at the
-next step instead of waiting for a batch to drain. The driver is a thread while asynchronous
-callers wait, ended when the rollout is over (``end_rollout``), or a blocking ``generate``'s own
-thread. Each finished request wakes its own
+next step instead of waiting for a batch to drain. The driver is a task on the caller's event
+loop on a CPU (one OpenMP team a process, ``fastcredit.runtime.threads``), a thread on a GPU,
+ended when the rollout is over (``end_rollout``), or a blocking ``generate``'s own thread. Each
+finished request wakes its own
 caller (an asyncio future, or a blocking ``generate``). Cancelling an ``agenerate`` aborts its
 request in the engine; a request vLLM rejects fails alone; a failed engine step fails every
 request in flight with :class:`EngineError` and the engine refuses new ones, so no caller
