@@ -109,8 +109,11 @@ def _same_step_2(a, b, extra_keys=()):
 def test_resume_gives_the_same_next_step(uninterrupted):
     b = os.path.join(os.path.dirname(uninterrupted), "b")  # beside it: the same toy world
     train(b, *RESUME[:-1], "optim.total_steps=1")
-    train(b, *RESUME, resume=True)
+    proc = train(b, *RESUME, resume=True)
     _same_step_2(uninterrupted, b)
+    # the closing line starts from the held-out EM logged at the checkpoint's step, not "n/a before"
+    at_1 = [r["eval/em"] for r in metrics(b) if r["step"] == 1 and "eval/em" in r][-1]
+    assert f"held-out EM: {at_1:.3f} at step 1 (the checkpoint's) -> " in proc.stdout, proc.stdout[-2000:]
 
 
 def test_a_run_resumes_past_a_damaged_checkpoint(uninterrupted):

@@ -9,6 +9,7 @@ plain values, never the Trainer. The policy and value model train through the en
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Optional
@@ -133,6 +134,8 @@ class Trainer:
             if before:
                 self.say(f"held-out EM before training: {eval_line(before)}")
                 self.logger.log(0, before, console=False)
+        elif (resumed := self.logged_em(self.step)) is not None:  # a resumed run starts from its checkpoint's figure
+            summary["em_resumed"] = (self.step, resumed)
         bar = progress_bar(total=cfg.optim.total_steps, initial=self.step, desc="train", unit="step", disable=not (
             cfg.logging.progress and self.info.is_main), leave=False)
         while self.step < cfg.optim.total_steps:
@@ -164,6 +167,23 @@ class Trainer:
             self.logger.log(self.step, after, console=False)
         return summary
 
+    def logged_em(self, step: int) -> Optional[float]:
+        """The held-out EM this run's ``metrics.jsonl`` holds for ``step`` (the last one logged), None without one
+        (or on a rank that writes no metrics)."""
+        path = self.logger.path
+        if not path or not os.path.exists(path):
+            return None
+        found = None
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:  # a line a killed run left torn
+                    continue
+                if row.get("step") == step and "eval/em" in row:
+                    found = float(row["eval/em"])
+        return found
+
     step_profile = None  # --profile's torch.profiler session while it records (fastcredit.runtime.torch_profile)
 
     def report(self, summary: dict) -> None:
@@ -171,10 +191,13 @@ class Trainer:
         and curves are."""
         from fastcredit.runtime.tracking import plot_metrics
 
-        before, after = summary.get("em_before"), summary.get("em_after")
+        before, after, resumed = summary.get("em_before"), summary.get("em_after"), summary.get("em_resumed")
         if after is not None:
-            print(f"held-out EM: {'n/a' if before is None else f'{before:.3f}'} before -> {after:.3f} after "
-                  f"{self.step} steps")
+            if before is None and resumed is not None:
+                start = f"{resumed[1]:.3f} at step {resumed[0]} (the checkpoint's)"
+            else:
+                start = f"{'n/a' if before is None else f'{before:.3f}'} before"
+            print(f"held-out EM: {start} -> {after:.3f} after {self.step} steps")
         if self.logger.path and os.path.exists(self.logger.path):
             print(f"metrics: {self.logger.path}")
             if self.cfg.logging.curves:
