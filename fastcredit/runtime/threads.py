@@ -36,13 +36,11 @@ class CallerExecutor(concurrent.futures.Executor):
 
     def __init__(self):
         self._shutdown = False
-        self.calls = 0
 
     def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
         if self._shutdown:
             raise RuntimeError("cannot schedule new calls after shutdown")
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.calls += 1
         try:
             fut.set_result(fn(*args, **kwargs))
         except Exception as e:  # the caller's future carries it, as a pool's would (Ctrl-C propagates at once)

@@ -9,7 +9,6 @@ plain values, never the Trainer. The policy and value model train through the en
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Optional
@@ -170,19 +169,13 @@ class Trainer:
     def logged_em(self, step: int) -> Optional[float]:
         """The held-out EM this run's ``metrics.jsonl`` holds for ``step`` (the last one logged), None without one
         (or on a rank that writes no metrics)."""
+        from fastcredit.runtime.tracking import read_metrics
+
         path = self.logger.path
         if not path or not os.path.exists(path):
             return None
-        found = None
-        with open(path) as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except ValueError:  # a line a killed run left torn
-                    continue
-                if row.get("step") == step and "eval/em" in row:
-                    found = float(row["eval/em"])
-        return found
+        found = [row["eval/em"] for row in read_metrics(path) if row.get("step") == step and "eval/em" in row]
+        return float(found[-1]) if found else None
 
     step_profile = None  # --profile's torch.profiler session while it records (fastcredit.runtime.torch_profile)
 

@@ -27,7 +27,7 @@ class PrefixCache:
         self.budget_bytes = budget_bytes
         self._entries: collections.OrderedDict = collections.OrderedDict()  # (n, hash) -> (ids, [(k, v) per layer])
         self._lengths: collections.Counter = collections.Counter()  # n -> entries of that length
-        self.bytes, self.hits, self.misses, self.reused_tokens = 0, 0, 0, 0
+        self.bytes, self.hits, self.reused_tokens = 0, 0, 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -64,7 +64,6 @@ class PrefixCache:
                 self.hits += 1
                 self.reused_tokens += n
                 return n, entry[1]
-        self.misses += 1
         return 0, None
 
     def _drop(self, key) -> None:

@@ -182,7 +182,6 @@ class StepLoop:
         if taken is None:
             raise EngineError("the vLLM engine is closed")
         if not (taken[0] or taken[1] or self._inflight):
-            self._moving = 0
             return False
         try:
             self._step(*taken)
