@@ -147,11 +147,13 @@ def run(a) -> None:
                       "turns_per_traj": res.stats["turns_per_traj"],
                       "searches_per_traj": res.stats["searches_per_traj"],
                       "answered_at_turn_1": float(sum(len(e.turns) == 1 for e in res.episodes) / len(res.episodes)),
-                      "searches_max": int(searches.max()), "action_tokens_mean": float(lens.mean()),
+                      "searches_max": int(searches.max()), "retrieval_batches": res.stats["retrieval_batches"],
+                      "action_tokens_mean": float(lens.mean()),
                       "action_tokens_std": float(lens.std()), "response_tokens_mean": res.stats["response_tokens_mean"],
                       "timing_s": timing}
         print(f"{mode:9s} {med:7.2f} s  {a.trajectories / med:6.2f} traj/s  turns {rows[mode]['turns_per_traj']:.2f}  "
-              f"searches {rows[mode]['searches_per_traj']:.2f} (max {rows[mode]['searches_max']})  "
+              f"searches {rows[mode]['searches_per_traj']:.2f} (max {rows[mode]['searches_max']}, "
+              f"{rows[mode]['retrieval_batches']} batches)  "
               f"answered at turn 1 {rows[mode]['answered_at_turn_1']:.2f}  action tokens "
               f"{rows[mode]['action_tokens_mean']:.0f}±{rows[mode]['action_tokens_std']:.0f}  | generating "
               f"{timing['generating']:.2f} s  retrieving {timing['retrieving']:.2f} s  "

@@ -39,7 +39,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -197,18 +197,27 @@ class Episode:
 
 
 class AsyncSearch:
-    """Micro-batched retrieval for concurrent trajectories (``retrieval.batch_size`` / ``batch_timeout_ms``)."""
+    """Micro-batched retrieval for concurrent trajectories (``retrieval.batch_size`` / ``batch_timeout_ms``).
 
-    def __init__(self, searcher: Searcher, max_batch: int = 256, timeout_ms: float = 2.0):
+    An in-process retriever on a CPU searches on the event loop's thread, between two of the engine's steps and on
+    the same cores: there a batch waits past its timeout while more trajectories are generating than wait for a
+    search (``generating``: how many, :class:`Activity`), so the encoder's fixed cost a batch is paid for many
+    queries, not for the one or two that finish in each ~10 ms engine step; the engine is never left idle by it.
+    """
+
+    def __init__(self, searcher: Searcher, max_batch: int = 256, timeout_ms: float = 2.0,
+                 generating: Optional[Callable[[], int]] = None):
         from fastcredit.runtime.batching import MicroBatcher
-        from fastcredit.runtime.threads import rollout_executor
+        from fastcredit.runtime.threads import CallerExecutor, rollout_executor
 
         # An in-process retriever's torch work on a CPU runs on the loop's thread (one OpenMP team a process); a
         # GPU one's, or a server's HTTP round trips, in a worker thread that ends with the rollout (batcher.close).
         device = getattr(searcher, "torch_device", None)
         executor = rollout_executor(device, "retrieval") if device is not None else None
+        shares_thread = isinstance(executor, CallerExecutor) and generating is not None
         self.batcher = MicroBatcher(searcher, max_batch=max_batch, timeout_ms=timeout_ms, max_queue=1 << 20,
-                                    executor=executor, own_executor=True)
+                                    executor=executor, own_executor=True,
+                                    hold=(lambda queued: queued < generating()) if shares_thread else None)
         self.calls = 0
 
     async def __call__(self, query: str) -> tuple[list[int], list[str]]:
@@ -336,7 +345,8 @@ class AgentLoop:
         return self._result(episodes, group_id, seconds, calls)
 
     async def _async(self, prompts, metas) -> tuple[list[Episode], int]:
-        search = AsyncSearch(self.searcher, self.retrieval_batch, self.retrieval_timeout_ms)
+        search = AsyncSearch(self.searcher, self.retrieval_batch, self.retrieval_timeout_ms,
+                             generating=lambda: self.activity.inflight["generate"])
         search.batcher.start()
         episodes = self._episodes(prompts, metas)
         try:

@@ -38,12 +38,15 @@ class MicroBatcher:
 
     def __init__(self, fn: Callable[[list], Sequence], max_batch: int = 256, timeout_ms: float = 2.0,
                  max_queue: int = 4096, executor: Optional[concurrent.futures.Executor] = None,
-                 own_executor: Optional[bool] = None):
+                 own_executor: Optional[bool] = None, hold: Optional[Callable[[int], bool]] = None):
         """``executor``: where ``fn`` runs (default: a worker thread of its own); ``own_executor``: :meth:`close`
-        shuts it down and waits for its thread to end (default: when the batcher made it)."""
+        shuts it down and waits for its thread to end (default: when the batcher made it). ``hold(queued)``: while
+        it is true a batch smaller than ``max_batch`` keeps waiting past the timeout (asked again at every arrival
+        and every ``timeout_ms``): work that shares the caller's thread and cores with ``fn`` goes first."""
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch ({max_batch}) and max_queue ({max_queue}) must be positive")
         self.fn, self.max_batch, self.timeout_s, self.max_queue = fn, max_batch, timeout_ms / 1000.0, max_queue
+        self.hold = hold
         self._executor = executor or device_executor(current_device(), "retrieval")
         self._own_executor = executor is None if own_executor is None else own_executor
         self._pending: collections.deque = collections.deque()  # (items, future, arrival time)
@@ -110,7 +113,7 @@ class MicroBatcher:
         return batch
 
     async def _fill(self) -> None:
-        """Wait until the oldest request's timeout ends or a full batch waits."""
+        """Wait until the oldest request's timeout ends (and :attr:`hold` lets go) or a full batch waits."""
         loop = asyncio.get_running_loop()
         while self._pending:
             self._drop_cancelled()
@@ -118,12 +121,15 @@ class MicroBatcher:
                 return
             remaining = self._pending[0][2] + self.timeout_s - loop.time()
             if remaining <= 0:
-                return
+                if self.hold is None or not self.hold(self._queued):
+                    return
+                remaining = max(self.timeout_s, 1e-3)
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), remaining)
             except asyncio.TimeoutError:
-                return
+                if self.hold is None:
+                    return
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

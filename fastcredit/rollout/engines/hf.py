@@ -34,32 +34,44 @@ def _sample(logits_RV: torch.Tensor, params: list[SamplingParams], gens: list) -
     cumulative probability (float64) first exceeds it: an exact draw from the row's distribution, the same tokens
     for a seeded request in any batch, and one random number a token instead of the vocabulary's worth that
     ``torch.multinomial`` draws (its exponential race: most of the CPU decode's time at V = 6,000)."""
-    R = logits_RV.shape[0]
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits_RV.device)
+    temps = [p.temperature for p in params]
+    sampled = [r for r, t in enumerate(temps) if t > 0]
     z_RV = logits_RV.float()
-    greedy = temps <= 0
-    z_RV = torch.where(greedy[:, None], z_RV, z_RV / torch.where(greedy, 1.0, temps)[:, None])
+    if sampled:  # a greedy row keeps its logits (its temperature counts as 1)
+        scale = torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=torch.float32, device=logits_RV.device)
+        z_RV = z_RV / scale[:, None]
     logp_RV = torch.log_softmax(z_RV, -1)
-    tok_R = torch.argmax(z_RV, -1)
-    sampled = [r for r in range(R) if not bool(greedy[r])]
+    every = len(sampled) == len(params)
+    tok_R = None if every else torch.argmax(z_RV, -1)  # greedy rows' tokens (sampled rows' are replaced)
     if sampled:
-        masked_SV = z_RV[sampled]
+        masked_SV = z_RV if every else z_RV[sampled]
+        truncated = False
         for i, r in enumerate(sampled):
             p = params[r]
             if p.top_k > 0 and p.top_k < masked_SV.shape[1]:
                 kth = torch.topk(masked_SV[i], p.top_k).values[-1]
                 masked_SV[i, masked_SV[i] < kth] = -float("inf")
+                truncated = True
             if p.top_p < 1.0:
                 sorted_z, order = torch.sort(masked_SV[i], descending=True)
                 probs = torch.softmax(sorted_z, -1)
                 drop = torch.cumsum(probs, -1) - probs > p.top_p  # keep the smallest prefix reaching top_p
                 masked_SV[i, order[drop]] = -float("inf")
-        cdf_SV = torch.cumsum(torch.softmax(masked_SV, -1).double(), -1)
+                truncated = True
+        if truncated:
+            probs_SV = torch.softmax(masked_SV, -1)
+        else:  # nothing masked: the probabilities are the log-softmax's, exponentiated
+            probs_SV = (logp_RV if every else logp_RV[sampled]).exp()
+        cdf_SV = torch.cumsum(probs_SV.double(), -1)
         u_S = torch.cat([torch.rand(1, generator=gens[r], dtype=torch.float64, device=gens[r].device)
                          for r in sampled]).to(cdf_SV.device)
         # the first index whose cumulative mass exceeds u x total (a zero-probability token never does)
         pick_S = torch.searchsorted(cdf_SV, (u_S * cdf_SV[:, -1])[:, None], right=True)[:, 0]
-        tok_R[sampled] = pick_S.clamp(max=cdf_SV.shape[1] - 1)
+        pick_S = pick_S.clamp(max=cdf_SV.shape[1] - 1)
+        if every:
+            tok_R = pick_S
+        else:
+            tok_R[sampled] = pick_S
     lp_R = logp_RV.gather(1, tok_R[:, None])[:, 0]
     return tok_R.cpu(), lp_R.cpu()
 
@@ -120,10 +132,10 @@ class HFEngine(Engine):
                 if procs[r] is not None:
                     procs[r].apply(logits[j])
             nxt, lp = _sample(logits, [params[r] for r in alive], [gens[r] for r in alive])
-            keep = []
+            keep, nxt_list, lp_list = [], nxt.tolist(), lp.tolist()
             for j, r in enumerate(alive):
-                toks[r].append(int(nxt[j]))
-                lps[r].append(float(lp[j]))
+                toks[r].append(nxt_list[j])
+                lps[r].append(lp_list[j])
                 if procs[r] is not None:
                     procs[r].advance(toks[r][-1])
                 done[r] = ("stop", None) if procs[r] is not None and procs[r].done \
