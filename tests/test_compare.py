@@ -163,9 +163,12 @@ def test_variants_and_summaries():
     s = summarize_run(rows)
     no_credit = {name: None for name in CREDIT_METRICS}
     no_behaviour = {name: None for name in BEHAVIOUR_METRICS}
-    assert s == {"eval_em": {"0": 0.1, "3": 0.4}, "steps": 3, "seconds_per_step": 4.0, "judge_calls_per_step": 14 / 3,
-                 "against_outcome_frac": 0.25, "credit": no_credit, "credit_labels": None,
-                 "behaviour_start": no_behaviour, "behaviour": no_behaviour}
+    assert s == {"eval_em": {"0": 0.1, "3": 0.4}, "steps": 3, "seconds_per_step": 4.0, "ig_score_share": None,
+                 "judge_calls_per_step": 14 / 3, "against_outcome_frac": 0.25, "credit": no_credit,
+                 "credit_labels": None, "behaviour_start": no_behaviour, "behaviour": no_behaviour}
+    # IG-Search's scoring share: its phase over the step, step by step, the median (the paused step moves it least)
+    rows[1]["time/ig_score"], rows[2]["time/ig_score"], rows[3]["time/ig_score"] = 0.5, 2.0, 6.0
+    assert summarize_run(rows)["ig_score_share"] == pytest.approx(0.25)
     mean, half = mean_interval([0.2, 0.4, 0.6])
     assert mean == pytest.approx(0.4) and half == pytest.approx(4.303 * 0.2 / 3 ** 0.5, rel=1e-3)
     assert mean_interval([0.5]) == (0.5, None)

@@ -106,6 +106,18 @@ def _same_step_2(a, b, extra_keys=()):
     return rb[0]
 
 
+def test_old_log_probs_taken_from_the_rollout_train_as_recomputed_ones(uninterrupted, tmp_path):
+    """On a CPU the HF engine samples with the policy's own float32 weights, so the log-probs it returns are pi_old's
+    (loss.old_logprobs=auto skips the recompute): the first update is the recomputed one's within rounding."""
+    out = str(tmp_path / "recompute")
+    train(out, *RESUME, "loss.old_logprobs=recompute")
+    a, b = ([r for r in metrics(run) if r["step"] == 1 and "reward" in r][0] for run in (uninterrupted, out))
+    assert (a["old_logprobs/from_rollout"], b["old_logprobs/from_rollout"]) == (1.0, 0.0)
+    assert (a["reward"], a["response_tokens_mean"]) == (b["reward"], b["response_tokens_mean"])  # the same rollout
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
 def test_resume_gives_the_same_next_step(uninterrupted):
     b = os.path.join(os.path.dirname(uninterrupted), "b")  # beside it: the same toy world
     train(b, *RESUME[:-1], "optim.total_steps=1")

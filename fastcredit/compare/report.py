@@ -100,13 +100,15 @@ def summarize_run(rows: list[dict]) -> dict:
     (``credit``) with their labels (``credit_labels``; :func:`credit_summary`), and what the policy did at the start
     and at the end (``behaviour_start``, ``behaviour``; :func:`behaviour_summary`)."""
     em = {}
-    secs, calls, against, steps = [], [], [], 0
+    secs, calls, against, steps, ig = [], [], [], 0, []
     for r in rows:
         step = int(r.get("step", 0))
         if "eval/em" in r:
             em[step] = float(r["eval/em"])
         if "time/step" in r:
             secs.append(float(r["time/step"]))
+            if "time/ig_score" in r and float(r["time/step"]) > 0:  # a share within one step: the cores' load
+                ig.append(float(r["time/ig_score"]) / float(r["time/step"]))  # moves both alike
         if "credit/against_outcome_frac" in r:
             against.append(float(r["credit/against_outcome_frac"]))
         if "reward" in r:  # a training step's line
@@ -118,6 +120,7 @@ def summarize_run(rows: list[dict]) -> dict:
     start, end = behaviour_summary(rows, steps)
     return {"eval_em": {str(k): em[k] for k in sorted(em)}, "steps": steps,
             "seconds_per_step": statistics.median(secs) if secs else None,
+            "ig_score_share": statistics.median(ig) if ig else None,
             "judge_calls_per_step": mean(calls) or 0.0, "against_outcome_frac": mean(against),
             "credit": credit, "credit_labels": labels, "behaviour_start": start, "behaviour": end}
 
@@ -184,6 +187,7 @@ def summarize(results: dict[str, list[dict]], threshold: Optional[float]) -> dic
         speed, speed_ci = mean_interval(speeds) if speeds else (None, None)
         reached = [s for s in (steps_to(r, threshold) for r in rows) if s is not None]
         secs = [r["seconds_per_step"] for r in rows if r.get("seconds_per_step") is not None]
+        shares = [r["ig_score_share"] for r in rows if r.get("ig_score_share") is not None]
         against = [r["against_outcome_frac"] for r in rows if r.get("against_outcome_frac") is not None]
         other = label != "grpo"
         diffs, vs, vs_ci = _paired(rows, grpo_final, lambda r: _curve(r)[-1][1]) if other else ([], None, None)
@@ -202,6 +206,7 @@ def summarize(results: dict[str, list[dict]], threshold: Optional[float]) -> dic
             "steps_to_threshold_vs_grpo_seeds": len(pairs),
             "against_outcome_frac": sum(against) / len(against) if against else None,
             "seconds_per_step": sum(secs) / len(secs) if secs else None,
+            "ig_score_share": sum(shares) / len(shares) if shares else None,
             "judge_calls_per_step": sum(r["judge_calls_per_step"] for r in rows) / len(rows),
             **credit_over_seeds(rows),
             **(credit_vs_grpo(rows, grpo) if other else {}),
@@ -283,10 +288,11 @@ def format_markdown(summary: dict, device: str, name: str) -> str:
              "where both reach it. *Against outcome*: share of advantage tokens whose sign is opposite to their "
              "trajectory's outcome in its group (0 for GRPO). *Mean EM*: the mean over the evaluations after step "
              "0 (learning speed), with its per-seed difference to GRPO. *s / step*: the median over a run's steps, "
-             "then the mean over seeds.", "",
+             "then the mean over seeds; *IG scoring*: the share of a step IG-Search's scoring forward takes "
+             "(`time/ig_score` over `time/step` in each step, its median, then the mean over seeds).", "",
              "| method | seeds | EM at start | final EM | vs GRPO | mean EM | vs GRPO | steps to threshold (reached) | "
-             "vs GRPO | against outcome | s / step | judge calls / step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "vs GRPO | against outcome | s / step | IG scoring | judge calls / step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, t in summary["methods"].items():
         lines.append(f"| {label} | {len(t['seeds'])} | {t['start_em']:.3f} | "
                      f"{_pm(t['final_em'], t['final_em_ci95'], '.3f')} | "
@@ -296,7 +302,8 @@ def format_markdown(summary: dict, device: str, name: str) -> str:
                      f"{_fmt(t['steps_to_threshold'], '.0f')} ({t['reached_threshold']}) | "
                      f"{_pm(t.get('steps_to_threshold_vs_grpo'), t.get('steps_to_threshold_vs_grpo_ci95'), '+.1f')} | "
                      f"{_fmt(t['against_outcome_frac'], '.3f')} | "
-                     f"{_fmt(t['seconds_per_step'], '.1f')} | {t['judge_calls_per_step']:.0f} |")
+                     f"{_fmt(t['seconds_per_step'], '.1f')} | {_fmt(t.get('ig_score_share'), '.0%')} | "
+                     f"{t['judge_calls_per_step']:.0f} |")
     return "\n".join(lines + [""] + credit_markdown(summary) + [""] + behaviour_markdown(summary)) + "\n"
 
 

@@ -28,6 +28,12 @@ class LossConfig:
              "generated (fastcredit.trainer.offpolicy)", range="(1, inf)")
     behaviour_weight_mode: Literal["truncate", "mask"] = opt(
         "truncate", "how C bounds it: truncate min(w, C); mask drops tokens with w > C (AReaL's behav_imp_weight_cap)")
+    old_logprobs: Literal["auto", "recompute", "rollout"] = opt(
+        "auto", "where pi_old's log-probs come from: recompute runs the policy over the batch (veRL's "
+                "compute_log_prob); rollout takes the ones the engine sampled with (same weights, the same tokens); "
+                "auto: rollout's on the HF engine computing in float32 (a CPU, or model.dtype=float32) for a batch "
+                "whose turns the current policy generated (none refined by ProCeed), else recompute (vLLM's and "
+                "half precision's numerics differ from training's)")
     impl: Literal["auto", "triton", "torch"] = opt(
         "auto", "fused ops (turn-surrogate loss, linear log-prob): Triton kernels on CUDA tensors, torch elsewhere; "
                 "$FASTCREDIT_LOSS_IMPL overrides")

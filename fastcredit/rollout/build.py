@@ -41,8 +41,17 @@ def sampling_params(cfg: TrainConfig, tokenizer, greedy: bool = False):
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     return SamplingParams(max_tokens=r.max_action_tokens, temperature=0.0 if greedy else r.temperature,
                           top_p=1.0 if greedy else r.top_p, top_k=-1 if greedy else r.top_k,
-                          # the sampled tokens' log-probs are the behaviour policy's when turns may lag (offpolicy)
-                          stop_token_ids=eos, logprobs=r.max_staleness > 0 and not greedy, seed=None)
+                          # the sampled tokens' log-probs: the behaviour policy's when turns may lag (offpolicy), or
+                          # pi_old's themselves (loss.old_logprobs, fastcredit.trainer.step.old_from_rollout)
+                          stop_token_ids=eos, seed=None,
+                          logprobs=not greedy and (r.max_staleness > 0 or rollout_old_logprobs(cfg)))
+
+
+def rollout_old_logprobs(cfg: TrainConfig) -> bool:
+    """Whether the update may take pi_old's log-probs from the rollout (``loss.old_logprobs``; the device and each
+    batch are checked again: :func:`fastcredit.trainer.step.old_from_rollout`)."""
+    mode = cfg.loss.old_logprobs
+    return mode == "rollout" or (mode == "auto" and cfg.rollout.engine == "hf")
 
 
 def rollout_mode(mode: str, engine, hook=None) -> tuple[str, str]:

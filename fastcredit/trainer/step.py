@@ -88,7 +88,9 @@ def learn(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, got
     up to ``bound`` versions old (StalenessError beyond), advantages, credit accuracy, the update; the policy's
     version is then ``step + 1``. Returns the step's metrics (this rank's; the actor's and critic's already global)."""
     metrics = dict(got.metrics)
-    old, ref, values = score_tokens(parts, cfg, info, timer, got.prompt_ids, got.batch)
+    from_rollout = old_from_rollout(cfg, info, got.batch, step)
+    metrics["old_logprobs/from_rollout"] = float(from_rollout)
+    old, ref, values = score_tokens(parts, cfg, info, timer, got.prompt_ids, got.batch, from_rollout)
     extras = got.extras
     if estimator_needs(cfg.credit.estimator).answer_scoring:
         scored, sm = score_answers(parts, cfg, info, timer, got, step)
@@ -108,10 +110,38 @@ def learn(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, got
     return metrics
 
 
-def score_tokens(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, prompts, batch):
+def old_from_rollout(cfg: TrainConfig, info: DistInfo, batch, version: int) -> bool:
+    """Whether pi_old's log-probs are the rollout's (``loss.old_logprobs``: ``auto`` on the HF engine computing in
+    float32, a CPU or ``model.dtype=float32``): asked, the engine returned them, every
+    turn came from the policy at ``version`` (a lagging turn's are the behaviour policy's, not pi_old's) and none was
+    refined (a demonstration's tokens were not sampled by the policy). Agreed over ranks, which then all skip the
+    recompute or all run it. ``rollout`` raises where a batch does not qualify."""
+    from fastcredit.rollout.build import rollout_old_logprobs
+
+    if not rollout_old_logprobs(cfg):
+        return False
+    if cfg.loss.old_logprobs == "auto" and info.device.type != "cpu" and cfg.model.dtype != "float32":
+        return False  # a GPU engine in half precision: its decode's rounding is not the packed forward's
+    why = None
+    if batch.rollout_logp_N is None:
+        why = "the engine returned no log-probs for some action"
+    elif batch.seg_version_S is None and cfg.rollout.max_staleness > 0:
+        why = "the batch does not say which policy generated its turns"
+    elif batch.seg_version_S is not None and bool((batch.seg_version_S != version).any()):
+        why = f"some turns came from a policy other than version {version} (rollout.max_staleness)"
+    elif bool(batch.demo_mask_N.any()):
+        why = "some turns were refined by ProCeed (their tokens were not sampled by the policy)"
+    ok = max_over_ranks(int(why is not None), info) == 0
+    if not ok and cfg.loss.old_logprobs == "rollout":
+        raise ValueError(f"loss.old_logprobs=rollout: {why or 'another rank cannot'}; use recompute or auto")
+    return ok
+
+
+def score_tokens(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, prompts, batch,
+                 from_rollout: bool = False):
     """``(old_logp_N, ref_logp_N, values_N)`` of the batch's response tokens, float32 on the CPU: the policy's
-    log-probs before the update, the reference policy's (None without one) and the value model's (None without
-    one), each its own timed phase."""
+    log-probs before the update (the rollout's with ``from_rollout``, :func:`old_from_rollout`; else a forward),
+    the reference policy's (None without one) and the value model's (None without one), each its own timed phase."""
     from fastcredit.models.packed import forward_logprobs, forward_values
 
     mt, temperature = cfg.optim.micro_batch_tokens, cfg.rollout.temperature
@@ -122,7 +152,10 @@ def score_tokens(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTim
     ref = values = None
     with parts.phases.train():  # its moves (engines to sleep, training state back) are timed by the phases
         with timer.phase("old_logprobs"):
-            old = forward_logprobs(parts.policy, prompts, batch, info.device, mt, temperature, most)[0]
+            if from_rollout:
+                old = batch.rollout_logp_N.float().cpu()
+            else:
+                old = forward_logprobs(parts.policy, prompts, batch, info.device, mt, temperature, most)[0]
         if parts.ref is not None:
             with timer.phase("ref_logprobs"), parts.phases.using(parts.ref):
                 ref = forward_logprobs(parts.ref, prompts, batch, info.device, mt, temperature, most)[0]

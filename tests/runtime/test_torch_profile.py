@@ -1,5 +1,5 @@
 """``--profile`` without nsys (fastcredit.runtime.torch_profile): a torch.profiler trace in which the trainer's NVTX
-phases are record_function ranges, and the per-phase table bench/gpu/nsys_phases.py makes from nsys (shared:
+phases are record_function ranges, and the per-phase table tools/gpu/nsys_phases.py makes from nsys (shared:
 fastcredit.runtime.phase_table). A short debug run on the CPU (CPU ops standing in for kernels), then the
 attribution rules on small hand-made traces, a GPU's included."""
 import gzip
@@ -28,7 +28,8 @@ def test_a_profiled_debug_run_writes_the_trace_and_the_phase_table(tmp_path, cap
     out = tmp_path / "run"
     cfg = load_config(os.path.join(ROOT, "configs", "debug.yaml"),
                       ["optim.total_steps=4", *SMALL, "loss.kl_coef=0.001", f"data.world_dir={tmp_path / 'world'}",
-                       f"logging.output_dir={out}"])
+                       f"logging.output_dir={out}",
+                       "loss.old_logprobs=recompute"])  # a forward in that phase (auto: the rollout's, a copy)
     trainer = Trainer(cfg, DistInfo(), profile=True)
     try:
         trainer.fit()

@@ -145,3 +145,32 @@ def test_versions_travel_with_the_batch():
         dataclasses.replace(b, seg_version_S=torch.zeros(2, dtype=torch.int64))
     with pytest.raises(TrajectoryError, match="got torch.float32"):
         dataclasses.replace(b, seg_version_S=torch.zeros(5))
+
+
+def test_old_log_probs_come_from_the_rollout_only_where_they_are_pi_old():
+    """loss.old_logprobs: auto takes the rollout's on the HF engine computing in float32 for a fresh, unrefined
+    batch, and recomputes otherwise; rollout says why a batch does not qualify; recompute never takes them."""
+    from fastcredit.config import load_config
+    from fastcredit.distributed.process_group import DistInfo
+    from fastcredit.trainer.step import old_from_rollout
+
+    def cfg(*overrides):
+        return load_config("configs/debug.yaml", list(overrides))
+
+    info = DistInfo()
+    fresh = _batch([3] * 5)
+    assert old_from_rollout(cfg(), info, fresh, 3)
+    assert not old_from_rollout(cfg("loss.old_logprobs=recompute"), info, fresh, 3)
+    gpu = DistInfo(device=torch.device("cuda", 0))
+    assert not old_from_rollout(cfg("model.dtype=bfloat16"), gpu, fresh, 3)  # half precision on a GPU
+    assert old_from_rollout(cfg("model.dtype=float32"), gpu, fresh, 3)
+    assert not old_from_rollout(cfg("rollout.engine=vllm"), info, fresh, 3)
+    assert old_from_rollout(cfg("rollout.engine=vllm", "loss.old_logprobs=rollout"), info, fresh, 3)
+    stale, refined, missing = _batch([3, 2, 3, 3, 3]), _batch([3] * 5), _batch([3] * 5)
+    refined.demo_mask_N[int((refined.seg_id_N == 1).nonzero()[0])] = True
+    missing.rollout_logp_N = None
+    for b, why in ((stale, "older than version 3|other than version 3"), (refined, "refined by ProCeed"),
+                   (missing, "no log-probs")):
+        assert not old_from_rollout(cfg(), info, b, 3)
+        with pytest.raises(ValueError, match=f"loss.old_logprobs=rollout: .*({why})"):
+            old_from_rollout(cfg("loss.old_logprobs=rollout"), info, b, 3)
