@@ -78,28 +78,32 @@ endif
 demo: demo-env
 	$(PY) -m fastcredit.train
 	@# the README's figure holds: the warm-started held-out EM this run logged, within the README's tolerance
-	$(PY) bench/check_demo_figure.py runs/demo
+	$(PY) -m bench.check_demo_figure runs/demo
 
 test: env
 	$(PY) -m ruff check --no-cache .
 	@# The package's bytecode, once: where PYTHONDONTWRITEBYTECODE is set (as on this project's CI) every one of the
 	@# suite's few hundred subprocesses would otherwise compile the modules it imports again.
-	$(PY) -m compileall -q -j 0 fastcredit kernels bench >/dev/null
+	$(PY) -m compileall -q -j 0 fastcredit kernels bench tools >/dev/null
 	$(PY) -m pytest tests -q -n $(PYTEST_JOBS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
+# pytest-benchmark over bench/: the CPU cases on every machine (estimators, the CPU log-prob, retrieval, the loss
+# reference: about a minute on 2 cores), the kernel cases where CUDA is (results in bench/results/). BENCH_ARGS: more
+# pytest options (`-k credit`, `--benchmark-json out.json`).
+BENCH_ARGS ?=
 bench: env
-	$(PY) -m pytest bench --benchmark-only -q
+	$(PY) -m pytest bench --benchmark-only -q $(BENCH_ARGS)
 
 # Everything GPU-side in one command, results in $(GPU_CHECK_OUT) (on a CPU: quick shapes, CUDA stages "not run").
-GPU_CHECK_OUT ?= bench/results/gpu_check_$(shell $(PY) bench/results_io.py --slug)
+GPU_CHECK_OUT ?= bench/results/gpu_check_$(shell $(PY) -m bench.results_io --slug)
 gpu-check: env
-	PYTHON=$(PY) bash bench/gpu/gpu_check.sh $(GPU_CHECK_OUT)
+	PYTHON=$(PY) bash tools/gpu/gpu_check.sh $(GPU_CHECK_OUT)
 
 # The GPU path checked on a CPU (no GPU needed): kernels compiled for sm_80/90/100, fastcredit._C built against a
 # CUDA torch (its own venv, ~5.5 GB, made once) and imported the Makefile's way, NCCL's device rules, vLLM's device.
 GPU_PREFLIGHT_OUT ?= bench/results/gpu_preflight
 gpu-preflight: env
-	$(PY) bench/gpu/gpu_preflight.py $(GPU_PREFLIGHT_OUT)
+	$(PY) -m tools.gpu.gpu_preflight $(GPU_PREFLIGHT_OUT)
 
 clean-env:
 	rm -rf $(VENV)

@@ -20,7 +20,7 @@ TORCH = "torch==2.13.0"
 TRITON = "triton==3.7.1"
 TRANSFORMERS = "transformers>=5.16.1,<5.20"
 # The engine supports vllm 0.24 to 0.32 (fastcredit/rollout/engines/vllm_compat.py); beside torch 2.13.0 the range
-# resolves to 0.32.0. 0.24.0 is the lent GPU image's (torch 2.11), carried there by bench/gpu/vllm_kit.py.
+# resolves to 0.32.0. 0.24.0 is the lent GPU image's (torch 2.11), carried there by tools/gpu/vllm_kit.py.
 VLLM = "vllm>=0.24,<0.33"
 NVTX = "nvtx==0.2.15"  # vllm 0.32.0 pins it
 FAISS_CPU = "faiss-cpu==1.15.1"

@@ -1,7 +1,8 @@
 """CPU benchmark of the credit estimators: vectorised vs a per-trajectory, per-token Python loop.
 
-    PYTHONPATH=. python bench/bench_credit.py                 # B = 512 trajectories, 4 turns, 4,096 tokens each
-    PYTHONPATH=. python bench/bench_credit.py --trajectories 64 --repeats 3   # a quick look
+    python -m bench.bench_credit                 # B = 512 trajectories, 4 turns, 4,096 tokens each
+    python -m bench.bench_credit --trajectories 64 --repeats 3   # a quick look
+    pytest --benchmark-only bench/bench_credit.py       # (make bench) both providers at B = 64, 1,024 tokens each
 
 Legend: N packed tokens, S turns, B trajectories.
 
@@ -21,12 +22,13 @@ import os
 import statistics
 import time
 
+import pytest
 import torch
 
 from fastcredit.credit import CreditInputs, get_estimator
 from fastcredit.config.credit import CreditConfig
 from fastcredit.rollout.trajectory import observation_key
-from results_io import device_name, write_results
+from bench.results_io import device_name, write_results
 
 SEARCH, ANSWER = 0, 1
 CHOICES = 3  # distinct observations a search turn of a group may show
@@ -140,6 +142,35 @@ def run(args) -> dict:
                       "group": args.group, "N": args.trajectories * args.tokens, "repeats": args.repeats,
                       "loop_repeats": args.loop_repeats},
             "results": rows}
+
+
+# make bench's shape: B 64, N 65,536 (a loop reference: 20 to 200 ms, three rounds)
+CPU_SHAPE = {"trajectories": 64, "turns": 4, "tokens": 1024, "group": 8}
+VARIANTS = {label: (name, cfg) for label, name, cfg in _variants()}
+
+
+def _ascii_id(label: str) -> str:
+    return label.translate(str.maketrans({"γ": "g", "λ": "l", "α": "a", "τ": "t", " ": "-"}))
+
+
+@pytest.fixture(scope="module")
+def cpu_inputs() -> CreditInputs:
+    return make_inputs(CPU_SHAPE["trajectories"], CPU_SHAPE["turns"], CPU_SHAPE["tokens"], CPU_SHAPE["group"])
+
+
+@pytest.mark.parametrize("provider", ("vectorised", "loop"))
+@pytest.mark.parametrize("label", VARIANTS, ids=_ascii_id)
+def test_credit(benchmark, cpu_inputs, label, provider):
+    """One estimator's per-token advantages: vectorised (``token_advantages`` included) or its loop reference."""
+    name, cfg = VARIANTS[label]
+    benchmark.extra_info.update(device=device_name(), N=cpu_inputs.seg_id_N.numel(), **CPU_SHAPE)
+    if provider == "loop":
+        ref = get_estimator(name, reference=True)
+        benchmark.pedantic(lambda: ref(cpu_inputs, cfg), rounds=3, warmup_rounds=0)
+        return
+    vec = get_estimator(name)
+    got = benchmark(lambda: vec(cpu_inputs, cfg).token_advantages(cpu_inputs.seg_id_N))
+    assert got.shape == cpu_inputs.seg_id_N.shape
 
 
 def main() -> None:

@@ -2,8 +2,8 @@
 process and once under ``torchrun --nproc_per_node=R`` (each rank its shard of the questions and of the index),
 side by side in one run; questions/s of each, their ratio, and whether the two tables are the same.
 
-    PYTHONPATH=. python bench/bench_eval_ranks.py                       # runs/demo's last checkpoint (make demo)
-    PYTHONPATH=. python bench/bench_eval_ranks.py --model runs/x --ranks 2 --threads 2 [key=value ...]
+    python -m bench.bench_eval_ranks                       # runs/demo's last checkpoint (make demo)
+    python -m bench.bench_eval_ranks --model runs/x --ranks 2 --threads 2 [key=value ...]
 
 On a CPU the comparison is fair in cores: the one process gets ``--threads`` intra-op threads, each rank
 ``--threads / --ranks``. questions/s times the rollout alone (``results.json``'s ``timing``: from the engine and
@@ -21,10 +21,9 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+from bench.results_io import RESULTS_DIR, device_name, write_results
 
-from results_io import RESULTS_DIR, device_name, write_results  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_eval(cmd: list[str], out: str, threads: int) -> dict:
@@ -65,7 +64,7 @@ def main() -> int:
     path = write_results("eval_ranks", report, args.out)
     em = one["table"]["average"]["em"]
     md = [f"# Evaluation: {args.ranks} torchrun ranks against one process ({report['device']})", "",
-          f"`python bench/bench_eval_ranks.py`, {report['questions']} questions of "
+          f"`python -m bench.bench_eval_ranks`, {report['questions']} questions of "
           f"{os.path.relpath(args.model, ROOT)}, greedy, HF engine; "
           f"{args.threads} threads in all. questions/s over the rollout alone; the command's wall time beside it.", "",
           "| | questions/s | rollout s | command wall s | EM |", "|---|---|---|---|---|",

@@ -15,7 +15,7 @@ Targets (H100): fwd+bwd within 1.5x of ``matmul`` (the 4/3 floor plus the softma
 entropy passes); peak memory <= 15% of ``torch``. Issue 46: <= 1.4x and <= 5% at both Qwen2.5 shapes,
 N 8k and 32k; the ``triton_<variant>`` providers are its candidates, compared with ``triton`` in one run.
 
-    python bench/bench_linear_logprob.py --device cpu      # a tiny run of every provider, no timing harness
+    python -m bench.bench_linear_logprob --device cpu      # a tiny run of every provider, no timing harness
 
 Op ``policy_head`` (fwd+bwd only), hidden states → GRPO-style loss at equal work:
 ``triton`` = fused log-prob + fused turn-surrogate (token-mean, k3 KL), ``torch`` and
@@ -23,6 +23,10 @@ Op ``policy_head`` (fwd+bwd only), hidden states → GRPO-style loss at equal wo
 ``LigerFusedLinearGRPOLoss``, ``liger_triton`` = cuBLAS logits + liger's
 ``triton_grpo_loss``. liger takes one advantage per sequence, so every turn of a
 sequence gets that sequence's advantage here; observation tokens are masked for all.
+
+On the host (``test_linear_logprob_cpu``, every machine, fp32): ``torch`` as above (the whole ``[N, V]`` logits at
+once) against ``blocked``, the trainer's CPU path (``fastcredit.models.logprob.linear_logprob``: the same reference
+``CPU_BLOCK_ROWS`` rows at a time), at a tiny policy's shape.
 """
 from __future__ import annotations
 
@@ -34,13 +38,15 @@ from typing import Optional
 import pytest
 import torch
 
-from shapes import LOGPROB_SHAPES, MODES, LogprobShape
+from bench.shapes import LOGPROB_SHAPES, MODES, LogprobShape
 
 # triton_<variant>: issue 46's candidates (kernels/linear_logprob/README.md, "Variants"), variant_config's fields.
 VARIANT_PROVIDERS = ("triton_tma", "triton_persistent", "triton_tma+persistent", "triton_warp_specialize",
                      "triton_fused", "triton_fused_skip")
 LOGPROB_PROVIDERS = ("torch", "compile", "triton", "matmul") + VARIANT_PROVIDERS
 POLICY_PROVIDERS = ("torch", "compile", "triton", "liger_fused", "liger_triton")
+CPU_PROVIDERS = ("torch", "blocked")
+CPU_SHAPE = LogprobShape("tiny-N2k", "tiny", 2048, 128, vocab=6000)  # the demo policy's LM head (hidden 128)
 BETA, CLIP = 1e-3, 0.2
 _COMPILED = {}
 DEVICE = "cuda"
@@ -59,7 +65,10 @@ def make_inputs(shape: LogprobShape, seed: int = 0, device: str = DEVICE, dtype=
 def logprob_fn(provider: str, x: Optional[dict] = None):
     """The op of ``provider``; a variant's config is built for the shapes and dtype of ``x``."""
     from fastcredit.kernels.linear_logprob import linear_logprob_naive, linear_logprob_triton, variant_config
+    from fastcredit.models.logprob import linear_logprob
 
+    if provider == "blocked":
+        return functools.partial(linear_logprob, impl="torch")
     if provider in VARIANT_PROVIDERS:
         (N, H), V = x["hidden"].shape, x["weight"].shape[0]
         cfg = variant_config(provider[len("triton_"):], N, V, H, x["hidden"].dtype)
@@ -103,6 +112,7 @@ def logprob_case(x: dict, provider: str, mode: str):
     return lambda: torch.autograd.grad(outs, (h, w), grads, retain_graph=True)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("provider", LOGPROB_PROVIDERS)
 @pytest.mark.parametrize("shape", LOGPROB_SHAPES, ids=[s.name for s in LOGPROB_SHAPES])
@@ -112,6 +122,18 @@ def test_linear_logprob(benchmark, harness, shape, provider, mode):
             "provider": provider, "mode": mode}
     harness.measure(benchmark, "linear_logprob", case, logprob_case(x, provider, mode),
                     flops=gemm_flops(provider, mode, shape.tokens, shape.vocab, shape.hidden), rep_ms=500)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("provider", CPU_PROVIDERS)
+def test_linear_logprob_cpu(benchmark, provider, mode):
+    """The log-prob's torch reference on the host, whole or in the trainer's row blocks (fp32)."""
+    from bench.results_io import device_name
+
+    x = make_inputs(CPU_SHAPE, device="cpu", dtype=torch.float32)
+    benchmark.extra_info.update(device=device_name("cpu"), shape=CPU_SHAPE.name, tokens=CPU_SHAPE.tokens,
+                                hidden=CPU_SHAPE.hidden, vocab=CPU_SHAPE.vocab)
+    benchmark(logprob_case(x, provider, mode))
 
 
 def policy_inputs(shape: LogprobShape, seed: int = 1) -> dict:
@@ -193,6 +215,7 @@ def liger_policy(x: dict, provider: str):
     return step
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("provider", POLICY_PROVIDERS)
 @pytest.mark.parametrize("shape", LOGPROB_SHAPES, ids=[s.name for s in LOGPROB_SHAPES])
 def test_policy_head(benchmark, harness, shape, provider):

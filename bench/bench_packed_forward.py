@@ -1,7 +1,7 @@
 """The actor's forward: padding-free packed ``[1, T]`` row vs the former right-padded ``[B, L]`` batch.
 
-    PYTHONPATH=. python bench/bench_packed_forward.py               # tiny policy, 32 trajectories of mixed lengths
-    PYTHONPATH=. python bench/bench_packed_forward.py --repeats 3    # a quick look
+    python -m bench.bench_packed_forward               # tiny policy, 32 trajectories of mixed lengths
+    python -m bench.bench_packed_forward --repeats 3    # a quick look
 
 Legend: B trajectories, L the longest prompt + response, T the real tokens (Σ prompt + response).
 
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from results_io import device_name, write_results
+from bench.results_io import device_name, write_results
 
 
 class _Vocab:

@@ -1,7 +1,8 @@
 """Retrieval, batched in process vs Search-R1's server design, on the same corpus, index and encoder.
 
-    PYTHONPATH=. python bench/bench_retrieval.py                # toy world + synthetic 1M x 768; Q = 1, 16, 512
-    PYTHONPATH=. python bench/bench_retrieval.py --worlds synthetic --passages 20000 --dim 384 --reps 3   # a quick look
+    python -m bench.bench_retrieval                # toy world + synthetic 1M x 768; Q = 1, 16, 512
+    python -m bench.bench_retrieval --worlds synthetic --passages 20000 --dim 384 --reps 3   # a quick look
+    pytest --benchmark-only bench/bench_retrieval.py         # (make bench) in-process search on the host, small
 
 Every path goes from query strings to the token ids of Search-R1's observations
 (``\\n\\n<information>Doc 1(Title: …) …</information>\\n\\n``) for the policy tokenizer:
@@ -29,6 +30,11 @@ Two worlds, each with every path:
 Medians of ``--reps`` runs after one warm-up; paths run one after the other on the same
 machine. Results go to ``bench/results/retrieval_<device>.json``. On a GPU the in-process
 path also runs on CUDA.
+
+Under pytest-benchmark (every machine, on the host, no servers): ``test_retrieval_search_cpu`` times a flat
+inner-product search over ``CPU_INDEX`` random unit vectors, fastcredit's matmul index (``torch_flat``) against
+FAISS's (``faiss_flat``, Search-R1's); ``test_retrieval_observations_cpu`` the whole in-process path, query strings
+to observation token ids (``Retriever.observation_tokens``), over 2,000 passages with a tiny random encoder.
 """
 # NOTE: no `from __future__ import annotations`: FastAPI must see the request model class
 # itself, not a string it cannot resolve inside searchr1_server.
@@ -46,11 +52,15 @@ import urllib.request
 from typing import List, Optional
 
 import numpy as np
+import pytest
 import torch
-from results_io import child_env, device_name, write_results
+
+from bench.results_io import child_env, device_name, write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+CPU_INDEX = {"passages": 20_000, "dim": 384}  # make bench: MiniLM's width
+CPU_QUERIES, CPU_K = (1, 16, 256), 3
 
 
 def searchr1_server(corpus_path: str, index_path: str, model_path: str, port: int, device: str) -> None:
@@ -257,7 +267,7 @@ def measure_world(name: str, w: dict, args, device: str, folder: str) -> dict:
     encoder_folder = w["encoder"] if os.path.isdir(w["encoder"]) else __import__(
         "fastcredit.retrieval.encoders", fromlist=["encoder_path"]).encoder_path(w["encoder"])
     cmds = {
-        "searchr1_http": [sys.executable, os.path.abspath(__file__), "--serve-searchr1", w["corpus"], w["index"],
+        "searchr1_http": [sys.executable, "-m", "bench.bench_retrieval", "--serve-searchr1", w["corpus"], w["index"],
                           encoder_folder, str(ports["searchr1_http"]), device],
         "fastcredit_http": [sys.executable, "-m", "fastcredit.retrieval.serve", "--corpus", w["corpus"], "--index",
                             w["index"], "--encoder", w["encoder"], "--device", device, "--port",
@@ -324,6 +334,55 @@ def same_results(url: str, retriever, queries: list, k: int) -> float:
     theirs = requests.post(url, json={"queries": queries, "topk": k, "return_scores": True}).json()["result"]
     ours = retriever.search(queries, k)
     return float(np.mean([[d["document"]["id"] for d in t] == [h.id for h in o] for t, o in zip(theirs, ours)]))
+
+
+@pytest.fixture(scope="module")
+def cpu_vectors() -> np.ndarray:
+    x = np.random.default_rng(0).standard_normal((CPU_INDEX["passages"], CPU_INDEX["dim"]), dtype=np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("queries", CPU_QUERIES)
+@pytest.mark.parametrize("provider", ("torch_flat", "faiss_flat"))
+def test_retrieval_search_cpu(benchmark, cpu_vectors, provider, queries):
+    """Top-k of ``queries`` query vectors (passages' own vectors, perturbed) over the flat index."""
+    from fastcredit.retrieval.indexes import FaissIndex, TorchFlatIndex, build_faiss_index
+
+    index = TorchFlatIndex(cpu_vectors) if provider == "torch_flat" else \
+        FaissIndex(build_faiss_index([cpu_vectors], "flat", progress=False))
+    q = torch.from_numpy(cpu_vectors[:queries]) + 0.1 * torch.randn(queries, CPU_INDEX["dim"])
+    benchmark.extra_info.update(device=device_name(), k=CPU_K, **CPU_INDEX)
+    scores, rows = benchmark(index.search, q, CPU_K)
+    assert rows.shape == (queries, CPU_K)
+
+
+@pytest.fixture(scope="module")
+def cpu_retriever(tmp_path_factory):
+    """2,000 tiny passages, a tiny random encoder (saved as a folder), its flat index and token store."""
+    from fastcredit.retrieval.build import build_all
+    from fastcredit.retrieval.retriever import open_retriever
+    from fastcredit.retrieval.testing import tiny_encoder, tiny_passages, tiny_policy_tokenizer, write_corpus
+
+    d = tmp_path_factory.mktemp("retrieval")
+    passages = tiny_passages(2000, seed=0)
+    corpus = write_corpus(str(d / "corpus.jsonl"), passages)
+    enc = tiny_encoder(dim=64, seed=0)
+    enc.model.save_pretrained(str(d / "encoder"))
+    enc.tokenizer.save_pretrained(str(d / "encoder"))
+    build = build_all(corpus, str(d / "build"), encoder_obj=enc, progress=False)
+    return open_retriever(index=build, encoder=str(d / "encoder"), tokenizer=tiny_policy_tokenizer(passages),
+                          device="cpu", progress=False), passages
+
+
+@pytest.mark.parametrize("queries", CPU_QUERIES[1:])
+def test_retrieval_observations_cpu(benchmark, cpu_retriever, queries):
+    """Query strings to packed observation token ids, in process: encode, search, gather the token store."""
+    retriever, passages = cpu_retriever
+    rng = random.Random(queries)
+    batch = [" ".join(rng.choice(passages)[2].split()[:rng.randint(3, 8)]) for _ in range(queries)]
+    benchmark.extra_info.update(device=device_name(), k=CPU_K, passages=len(passages))
+    ids, cu = benchmark(retriever.observation_tokens, batch, CPU_K)
+    assert cu.numel() == queries + 1
 
 
 def main() -> None:

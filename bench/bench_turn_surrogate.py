@@ -15,7 +15,10 @@ gradients written once; ``bytes_moved``), the same for every provider, against t
 measured device-to-device copy bandwidth. Target (H100): fwd+bwd at N = 8M at >= 70% of
 that bandwidth and >= 5x faster than ``torch`` (issue 46: >= 80% on the H100 and the H200).
 
-    python bench/bench_turn_surrogate.py --device cpu      # a tiny run of every provider, no timing harness
+    python -m bench.bench_turn_surrogate --device cpu      # a tiny run of every provider, no timing harness
+
+On the host (``test_turn_surrogate_cpu``, every machine): the ``torch`` provider alone, the loss reference that a
+CPU run's update computes, at N = 32k.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import time
 import pytest
 import torch
 
-from shapes import LOSS_SHAPES, MODES, LossShape
+from bench.shapes import LOSS_SHAPES, MODES, LossShape
 
 AGG = ("turn-mean", "token-mean")
 # triton_<variant>[_b<block>w<warps>]: issue 46's candidate launches (kernels/turn_surrogate/README.md, "Variants").
@@ -35,6 +38,7 @@ LAUNCHES = {"triton_stream": ("stream", None, 8), "triton_persistent": ("persist
 PROVIDERS = ("torch", "compile", "triton") + tuple(LAUNCHES)
 _COMPILED = {}
 DEVICE = "cuda"
+CPU_SHAPE = LossShape("N32k", 1 << 15)
 
 
 def make_batch(shape: LossShape, seed: int = 0, device: str = DEVICE) -> dict:
@@ -112,6 +116,7 @@ def make_case(batch: dict, provider: str, agg: str, mode: str):
     return lambda: torch.autograd.grad(loss, (logp, ent), retain_graph=True)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("agg", AGG)
@@ -123,6 +128,21 @@ def test_turn_surrogate(benchmark, harness, shape, agg, provider, mode):
             "mode": mode}
     harness.measure(benchmark, "turn_surrogate", case, make_case(batch, provider, agg, mode),
                     bytes_moved=bytes_moved(N, S, mode, agg))
+
+
+@pytest.fixture(scope="module")
+def cpu_batch() -> dict:
+    return make_batch(CPU_SHAPE, device="cpu")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("agg", AGG)
+def test_turn_surrogate_cpu(benchmark, cpu_batch, agg, mode):
+    """``policy_loss_torch`` on the host, eager."""
+    from bench.results_io import device_name
+
+    benchmark.extra_info.update(device=device_name("cpu"), shape=CPU_SHAPE.name, tokens=CPU_SHAPE.tokens)
+    benchmark(make_case(cpu_batch, "torch", agg, mode))
 
 
 def main(argv=None) -> None:

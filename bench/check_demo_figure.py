@@ -3,7 +3,7 @@
 README states beside the figure. ``make demo`` runs it after training, so every demo run checks the figure at no
 extra cost; tests/test_demo_figure.py runs the demo's warm start for it alone.
 
-    python bench/check_demo_figure.py runs/demo        # exit 0: within; 1: outside (the message says by how much)
+    python -m bench.check_demo_figure runs/demo        # exit 0: within; 1: outside (the message says by how much)
 
 The figure moved once without anyone noticing why (a 200-question sample changed; docs/results.md): this fails
 when anything that shapes the warm-started policy or its evaluation moves it (the toy world, the tokenizer, the

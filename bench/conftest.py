@@ -1,10 +1,14 @@
-"""Benchmark harness for ``pytest --benchmark-only bench/`` (GPU only; every item is skipped without CUDA).
+"""Benchmark harness for ``pytest --benchmark-only bench`` (``make bench``), run from the repository root.
 
-Collects ``bench/bench_*.py``; measures the device's ceilings once per session (copy
-bandwidth of a 1 GiB device-to-device copy, and the bf16 matmul rate of an 8192³
-GEMM); times every case with ``triton.testing.do_bench`` (CUDA events, L2 flushed,
-median) and measures its peak memory separately; and writes one JSON file per op,
-``bench/results/<op>_<device>.json``, so numbers from different machines never mix.
+Collects ``bench/bench_*.py``. Two kinds of case:
+
+* CPU cases (every machine): pytest-benchmark's ``benchmark`` fixture times them on the host (wall clock, its own
+  rounds); the table is pytest-benchmark's (``--benchmark-json PATH`` keeps it, with the device in ``extra_info``).
+* GPU cases, marked ``gpu`` (skipped without CUDA): the ``harness`` fixture measures the device's ceilings once
+  per session (copy bandwidth of a 1 GiB device-to-device copy, and the bf16 matmul rate of an 8192³ GEMM), times
+  every case with ``triton.testing.do_bench`` (CUDA events, L2 flushed, median), measures its peak memory
+  separately, and writes one JSON file per op, ``bench/results/<op>_<device>.json``, so numbers from different
+  machines never mix.
 """
 from __future__ import annotations
 
@@ -15,8 +19,8 @@ from typing import Callable, Optional
 import pytest
 import torch
 
-from ceilings import bf16_matmul_tflops, copy_bandwidth_gbps
-from results_io import write_results
+from bench.ceilings import bf16_matmul_tflops, copy_bandwidth_gbps
+from bench.results_io import write_results
 
 
 def pytest_collect_file(file_path, parent):
@@ -31,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="kernel benchmarks need a CUDA GPU (none on this machine)")
     for item in items:
-        if "bench" in item.path.parts:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
 
 

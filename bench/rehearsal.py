@@ -1,9 +1,9 @@
 """The real-model rehearsal's two halves (``bench/rehearsal.sh`` calls both): run a command while sampling the host
 memory of each torchrun rank, then turn the run's ``metrics.jsonl`` and those samples into the results files.
 
-    python bench/rehearsal.py watch --rss runs/x/rss.json -- torchrun --nproc_per_node=2 -m fastcredit.train ...
-    python bench/rehearsal.py model runs/smollm2-135m-instruct   # the de-quantised SmolLM2 folder, made once
-    python bench/rehearsal.py report --run runs/x --rss runs/x/rss.json --config configs/rehearsal_smollm2.yaml
+    python -m bench.rehearsal watch --rss runs/x/rss.json -- torchrun --nproc_per_node=2 -m fastcredit.train ...
+    python -m bench.rehearsal model runs/smollm2-135m-instruct   # the de-quantised SmolLM2 folder, made once
+    python -m bench.rehearsal report --run runs/x --rss runs/x/rss.json --config configs/rehearsal_smollm2.yaml
 
 ``watch`` polls every ``--every`` seconds the resident set size (RSS) of each process below the command whose
 environment holds torchrun's ``RANK`` (the rank's vLLM engine runs inside it: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
@@ -22,9 +22,7 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-from results_io import RESULTS_DIR, device_name, device_slug, write_results  # noqa: E402
+from bench.results_io import RESULTS_DIR, device_name, device_slug, write_results
 
 GIB = 2 ** 30
 TOP_LEVEL = ("time/rollout", "time/reward", "time/judge", "time/old_logprobs", "time/ref_logprobs", "time/advantage",

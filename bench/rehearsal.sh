@@ -18,12 +18,12 @@ CONFIG=configs/rehearsal_smollm2.yaml
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
 
-"$PY" bench/rehearsal.py model "$MODEL"
+"$PY" -m bench.rehearsal model "$MODEL"
 rm -rf "$RUN"
 overrides=(optim.total_steps="$STEPS" logging.output_dir="$RUN" model.policy="$MODEL" judges.model="$MODEL" "$@")
 mkdir -p "$RUN"
-"$PY" bench/rehearsal.py watch --rss "$RUN/rss.json" -- \
+"$PY" -m bench.rehearsal watch --rss "$RUN/rss.json" -- \
   "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 -m fastcredit.train --config "$CONFIG" \
   "${overrides[@]}"
-"$PY" bench/rehearsal.py report --run "$RUN" --rss "$RUN/rss.json" --config "$CONFIG" --ranks 2 \
+"$PY" -m bench.rehearsal report --run "$RUN" --rss "$RUN/rss.json" --config "$CONFIG" --ranks 2 \
   --threads "$OMP_NUM_THREADS" "${overrides[@]}"

@@ -27,11 +27,11 @@ def child_env(*paths: str, **extra: str) -> dict:
     return {**os.environ, **extra, "PYTHONPATH": os.pathsep.join([*paths, *kept])}
 
 
-if __name__ == "__main__":  # `python bench/results_io.py --slug`: this machine's device, as results files name it
+if __name__ == "__main__":  # `python -m bench.results_io --slug`: this machine's device, as results files name it
     import sys
 
     import torch
 
     if sys.argv[1:] != ["--slug"]:
-        sys.exit("usage: python bench/results_io.py --slug")
+        sys.exit("usage: python -m bench.results_io --slug")
     print(device_slug(device_name("cuda" if torch.cuda.is_available() else "cpu")))

@@ -1,7 +1,7 @@
 """What a comparison preset's warm-started policy does at the start of training, before any RL step.
 
-    python bench/start_figures.py --config configs/compare_starved.yaml          # 128 prompts x 4 samples
-    python bench/start_figures.py --config configs/compare_detour.yaml --prompts 128
+    python -m bench.start_figures --config configs/compare_starved.yaml          # 128 prompts x 4 samples
+    python -m bench.start_figures --config configs/compare_detour.yaml --prompts 128
 
 Loads (or makes) the warm start ``python -m fastcredit.compare`` shares between its runs of that
 config (``runs/<run_name>/warmstart``, the config's seed), then samples trajectories as a training
@@ -25,7 +25,6 @@ import time
 from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
 def trajectory_figures(labels: list[list[bool]], success: list[bool], group: list[int]) -> dict:

@@ -1,7 +1,7 @@
 """``bench_step.py --placement split``: the split placement at several staleness bounds beside colocated training.
 
-    PYTHONPATH=. python bench/bench_step.py --placement split --staleness 0,1,2          # CPU: 2 ranks, 1 thread each
-    PYTHONPATH=. python bench/bench_step.py --placement split --steps 8 --config configs/demo.yaml
+    python -m bench.bench_step --placement split --staleness 0,1,2          # CPU: 2 ranks, 1 thread each
+    python -m bench.bench_step --placement split --steps 8 --config configs/demo.yaml
 
 Every run is ``torchrun --nproc_per_node=2`` on the same config, data, seed and model, one thread per
 rank: colocated (both ranks roll out and train their half of each batch, in turn) and split
@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from results_io import child_env
+from bench.results_io import child_env
 
 
 def run_one(name: str, config: str, overrides: list, work: str, steps: int, warmup: int, root: str) -> dict:
@@ -113,7 +113,7 @@ def main(a, common: list, root: str, device: str, torch_version: str, write_resu
                                        work, a.steps, a.warmup, root)
     report = {"device": device, "torch": torch_version, "shape": a.shape, "config": a.config,
               "overrides": a.overrides, "steps": a.steps, "warmup": a.warmup, "staleness": ks,
-              "command": "bench/bench_step.py --placement split " + " ".join(
+              "command": "python -m bench.bench_step --placement split " + " ".join(
                   [f"--staleness {a.staleness}", f"--steps {a.steps}", f"--warmup {a.warmup}", *a.overrides]),
               "runs": {n: r for n, r in runs.items()}}
     report["table"], report["bound"] = summarize(runs)

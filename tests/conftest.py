@@ -48,6 +48,7 @@ LONGEST_FIRST = (
     "tests/retrieval/test_server_soak.py",         # 43
     "tests/test_export.py",                        # 39
     "tests/test_eval.py",                          # 28
+    "tests/distributed/test_multinode.py",         # 26
     "tests/runtime/test_torch_profile.py",         # 23
     "tests/test_forkserver.py",                    # 23
     "tests/kernels/test_turn_surrogate.py",        # 19

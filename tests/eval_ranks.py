@@ -22,13 +22,11 @@ import signal
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_eval import OracleEngine  # this file's folder, tests/, is sys.path[0]: torchrun runs it as a script
 
-from test_eval import OracleEngine  # noqa: E402
-
-from fastcredit import eval as E  # noqa: E402
-from fastcredit.data.loaders import load_qa  # noqa: E402
-from fastcredit.trainer import heldout  # noqa: E402
+from fastcredit import eval as E
+from fastcredit.data.loaders import load_qa
+from fastcredit.trainer import heldout
 
 RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 DIR = os.environ["STARTED_DIR"]

@@ -229,9 +229,9 @@ def _server() -> Optional[_Server]:
 def run(cmd: list, *, capture_output: bool = True, text: bool = True, timeout: Optional[float] = None,
         cwd: Optional[str] = None, env: Optional[dict] = None) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=..., cwd=..., env=...)``, forked from the
-    warm server where ``cmd`` is ``[sys.executable, "-m", "fastcredit.<command>", ...]``, a script
-    (``[sys.executable, "path.py", ...]``) or a torchrun (``[sys.executable, "-m", "torch.distributed.run",
-    ...]``); what such a command starts is forked too (tests/zygote.py)."""
+    warm server where ``cmd`` is ``[sys.executable, "-m", "fastcredit.<command>", ...]`` (or ``bench.*``,
+    ``tools.*``), a script (``[sys.executable, "path.py", ...]``) or a torchrun (``[sys.executable, "-m",
+    "torch.distributed.run", ...]``); what such a command starts is forked too (tests/zygote.py)."""
     cwd = os.path.abspath(cwd or os.getcwd())
     target = zygote.target(cmd, cwd)
     if (target is None or not (capture_output and text) or not hasattr(os, "fork")

@@ -9,11 +9,10 @@ import pytest
 
 from tests import forkserver
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+from bench.bench_step import check_same_start, shape_overrides
+from bench.step_report import DESIGNS, comparability, headline, markdown, phase_table, workload
 
-from bench_step import check_same_start, shape_overrides  # noqa: E402
-from step_report import DESIGNS, comparability, headline, markdown, phase_table, workload  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _row(n, **t):
@@ -115,7 +114,7 @@ def test_the_workload_says_how_much_each_design_searched():
 def test_child_processes_keep_the_inherited_pythonpath(monkeypatch):
     """The H100 run: the Search-R1 design's /retrieve server got PYTHONPATH=<repo> and lost the packages
     carried onto the bare image (faiss, the encoder), which lived on the inherited path."""
-    from results_io import child_env
+    from bench.results_io import child_env
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/carried/site", "/more"]))
     monkeypatch.setenv("FASTCREDIT_TEST_KEPT", "yes")
@@ -142,14 +141,13 @@ def test_bench_step_runs_both_designs_and_writes_its_results(tmp_path):
     to nothing). Both designs start from the one warm start fastcredit's run made (the Search-R1 design loads it:
     the cache key leaves out where searches go), and the policy is frozen: the same weights before and after."""
     out = tmp_path / "results"
-    cmd = [sys.executable, "bench/bench_step.py", "--steps", "1", "--warmup", "0", "--rounds", "1",
+    cmd = [sys.executable, "-m", "bench.bench_step", "--steps", "1", "--warmup", "0", "--rounds", "1",
            "--work", str(tmp_path / "w"), "--out", str(out), "--tag", "t", "optim.batch_prompts=2",
            "rollout.n_samples=2", "rollout.mode=async",
            "optim.mini_batch_prompts=2", "data.toy.num_questions=40", "data.toy.num_people=80",
            "data.toy.num_companies=20", "model.tiny_vocab_rows=3000", "distributed.offload_state=false",
            "warmstart.enabled=true", "warmstart.epochs=1", "warmstart.questions=8"]
-    proc = forkserver.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/bench"})
+    proc = forkserver.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.load(open(next(out.glob("step_tiny_t_*.json"))))
     assert [w["what"] for w in report["workload"]][0] == "searches / trajectory"

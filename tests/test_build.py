@@ -10,18 +10,6 @@ from fastcredit._build import want_cuda_extension
 from fastcredit._ext import cuda_ext, cuda_ext_status
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-PREFLIGHT_BUILD = os.path.join(ROOT, "bench", "gpu", "gpu_preflight_build.py")
-
-
-def _preflight_build():
-    """bench/gpu/gpu_preflight_build.py as a module, loaded from its file (whatever another test put on sys.path)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_preflight_build", PREFLIGHT_BUILD)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _fake_root(tmp_path, with_cu=True):
@@ -156,10 +144,9 @@ def test_setup_links_the_extension_with_an_rpath(tmp_path):
 
 
 def test_the_preflight_reads_the_makefiles_gpu_lines():
-    """bench/gpu/gpu_preflight_build.py runs the Makefile's own build and import lines: a Makefile edit that it can no
+    """tools/gpu/gpu_preflight_build.py runs the Makefile's own build and import lines: a Makefile edit that it can no
     longer find fails here, not on the next GPU machine."""
-    preflight = _preflight_build()
-    makefile_gpu_commands, parse_readelf = preflight.makefile_gpu_commands, preflight.parse_readelf
+    from tools.gpu.gpu_preflight_build import makefile_gpu_commands, parse_readelf
 
     build, imp = makefile_gpu_commands(os.path.join(ROOT, "Makefile"))
     assert build.startswith("FASTCREDIT_BUILD_CUDA=1 $(PY) -m pip install") and build.endswith("-e .")
@@ -177,7 +164,7 @@ def test_the_preflight_reads_the_makefiles_gpu_lines():
                            "(about 1.5 min; 3-5 min more and 5.5 GB the first time, to create the venv)")
 def test_the_preflight_build_end_to_end(tmp_path):
     """The Makefile's GPU build and import line against PyPI's CUDA torch, on a machine without a GPU."""
-    out = subprocess.run([sys.executable, PREFLIGHT_BUILD, str(tmp_path)],
+    out = subprocess.run([sys.executable, "-m", "tools.gpu.gpu_preflight_build", str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=3600)
     report = json.load(open(tmp_path / "build.json"))
     assert out.returncode == 0 and report["status"] == "passed", out.stdout[-3000:] + report.get("reason", "")

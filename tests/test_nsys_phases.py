@@ -1,6 +1,6 @@
-"""bench/gpu/nsys_phases.py: nsys's nvtx_sum CSV -> the trainer's per-phase table, against metrics.jsonl.
+"""tools/gpu/nsys_phases.py: nsys's nvtx_sum CSV -> the trainer's per-phase table, against metrics.jsonl.
 
-Runs the script as a subprocess, as a user would; no nsys needed (a stand-in plays it once)."""
+Runs the command as a subprocess, as a user would; no nsys needed (a stand-in plays it once)."""
 from __future__ import annotations
 
 import csv
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = "bench/gpu/nsys_phases.py"
+MODULE = "tools.gpu.nsys_phases"
 HEADER = ["Time (%)", "Total Time (ns)", "Instances", "Avg (ns)", "Med (ns)", "Min (ns)", "Max (ns)",
           "StdDev (ns)", "Style", "Range"]
 # (range, total ns, instances): three profiled steps of the fastcredit domain, and ranges of other domains
@@ -70,7 +70,7 @@ def files(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", MODULE, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
                           env=env)
 
 

@@ -89,8 +89,7 @@ def test_two_rollout_ranks_two_steps_ahead_with_partial_rollouts_and_the_critic_
     """One training rank fed by two rollout ranks (their index sharded between them, their batches merged), k = 2,
     weights loaded in flight, CriticSearch's frozen critic (a policy-shaped model) switched into the rollout engines
     and the policy's newest weights back, evaluation every 2 steps."""
-    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu"), os.path.join(ROOT, "bench")]
-    from gpu_check_train import random_policy
+    from tools.gpu.gpu_check_train import random_policy
 
     models, out = str(tmp_path / "models"), str(tmp_path / "run")
     policy, critic = random_policy(models, False, "policy", 0), random_policy(models, False, "critic", 1)

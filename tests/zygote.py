@@ -1,6 +1,6 @@
 """The python commands that a command forked by tests/forkserver.py starts, forked warm from a zygote of its own.
 
-A command the fork server runs (a torchrun, ``fastcredit.compare``, bench/bench_step.py, ...) starts python
+A command the fork server runs (a torchrun, ``fastcredit.compare``, ``bench.bench_step``, ...) starts python
 commands of its own: torchrun's agent a rank per process (``python -u -m MODULE`` or ``python -u SCRIPT``), compare
 a ``python -m fastcredit.train`` per run. Each would be a cold interpreter importing torch and transformers again,
 about 4 s of CPU on a 2-core machine, and the suite starts about a hundred of them. So before the command runs (one
@@ -35,19 +35,21 @@ import time
 from typing import Callable, Optional
 
 _TORCHRUN = "torch.distributed.run"
+_OWN_MODULES = ("fastcredit.", "bench.", "tools.")
 _REPLY_TIMEOUT_S = 120.0
 _ZYGOTE: Optional["Zygote"] = None
 
 
 def target(args, cwd: str) -> Optional[dict]:
-    """What a zygote (or the fork server) can run for ``[sys.executable, (-u,) ...]``: a fastcredit command or a
-    torchrun (``-m``), or a script (``PATH.py``, relative to ``cwd``); None for anything else."""
+    """What a zygote (or the fork server) can run for ``[sys.executable, (-u,) ...]``: a module of the checkout's
+    (``-m fastcredit.*``, ``bench.*``, ``tools.*``) or a torchrun, or a script (``PATH.py``, relative to ``cwd``); None
+    for anything else."""
     args = [os.fspath(a) if isinstance(a, os.PathLike) else a for a in args]
     if not all(isinstance(a, str) for a in args) or len(args) < 2 or args[0] != sys.executable:
         return None
     unbuffered = args[1] == "-u"
     rest = args[2:] if unbuffered else args[1:]
-    if len(rest) >= 2 and rest[0] == "-m" and (rest[1].startswith("fastcredit.") or rest[1] == _TORCHRUN):
+    if len(rest) >= 2 and rest[0] == "-m" and (rest[1].startswith(_OWN_MODULES) or rest[1] == _TORCHRUN):
         return {"module": rest[1], "args": rest[2:], "unbuffered": unbuffered}
     if rest and rest[0].endswith(".py") and os.path.isfile(os.path.join(cwd, rest[0])):
         return {"script": os.path.abspath(os.path.join(cwd, rest[0])), "args": rest[1:], "unbuffered": unbuffered}

@@ -3,9 +3,9 @@ step, the device time inside them and the heaviest kernels (or CPU ops), beside 
 
     phases, other = classify(rows)                         # RangeRow per range name, from nsys or a torch trace
     rows = build_rows(phases, n_steps, metrics, work)      # PhaseRow per phase, in the trainer's order
-    text = markdown(rows, info)                            # bench/gpu/nsys_phases.py and --profile print the same
+    text = markdown(rows, info)                            # tools/gpu/nsys_phases.py and --profile print the same
 
-Two sources fill it: ``bench/gpu/nsys_phases.py`` from nsys's ``nvtx_sum`` report (ranges only: no device column), and
+Two sources fill it: ``tools/gpu/nsys_phases.py`` from nsys's ``nvtx_sum`` report (ranges only: no device column), and
 ``fastcredit.runtime.torch_profile`` from the torch.profiler trace ``--profile`` writes (the ranges are
 ``record_function`` ranges named as the NVTX ones, ``fastcredit:<phase>``; ``work``: each phase's kernels, or CPU
 ops where no kernel ran). Standard library only: the nsys script imports it without torch.

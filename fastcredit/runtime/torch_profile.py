@@ -8,7 +8,7 @@
 While the session records, every NVTX range of the trainer is also a ``record_function`` range
 ``fastcredit:<name>`` (``fastcredit.runtime.profiling.record_phases``), so the phases show in the Chrome trace
 (gzipped JSON, a tenth of its size; gunzip it for a viewer that wants it plain), and the table is
-``fastcredit.runtime.phase_table``'s, the one ``bench/gpu/nsys_phases.py`` makes from an nsys report: seconds per
+``fastcredit.runtime.phase_table``'s, the one ``tools/gpu/nsys_phases.py`` makes from an nsys report: seconds per
 step of each range, its share of the step, the device time inside it and its heaviest kernels, beside the
 trainer's timers for the same steps.
 

@@ -175,7 +175,7 @@ def gpu_config(N: int, V: int, H: int, dtype: torch.dtype, arch: int = 90) -> Lo
     """Launch shape on an ``sm_<arch>`` GPU (default 90: H100), whether or not Triton is interpreted.
 
     The figures behind each choice (registers, spills, shared memory, blocks per SM, from
-    ``bench/gpu/gpu_preflight_kernels.py``) are in README.md, "Launch shapes on a GPU".
+    ``tools/gpu/gpu_preflight_kernels.py``) are in README.md, "Launch shapes on a GPU".
     """
     if dtype != torch.float32:
         # sm_90: two blocks of 8 warps per SM (128 registers each, no spill), so one block's softmax

@@ -1,5 +1,5 @@
 """Every Triton kernel compiles for sm_90 (H100) on a machine without a GPU, with the launch choices of the host
-code, within the H100's shared memory and without register spills (bench/gpu/gpu_preflight_kernels.py)."""
+code, within the H100's shared memory and without register spills (tools/gpu/gpu_preflight_kernels.py)."""
 import json
 import os
 import subprocess
@@ -12,11 +12,10 @@ from fastcredit.kernels.linear_logprob.triton import gpu_config
 from fastcredit.kernels.turn_surrogate import AGG_MODES
 from fastcredit.kernels.turn_surrogate.triton import gpu_block
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.join(ROOT, "bench", "gpu"), os.path.join(ROOT, "bench")]
+from bench.shapes import QWEN_HIDDEN, QWEN_VOCAB
+from tools.gpu.aot_compile import compile_only, limit_problems
 
-from aot_compile import compile_only, limit_problems  # noqa: E402
-from shapes import QWEN_HIDDEN, QWEN_VOCAB  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -26,7 +25,7 @@ def preflight(tmp_path_factory):
     """(exit status, output, rows of kernels.jsonl, kernels.md) of the sm_90 preflight, run once for the module."""
     out = tmp_path_factory.mktemp("preflight")
     # The kernels must be compiled, not interpreted: the script runs with TRITON_INTERPRET=0 whatever it inherits.
-    proc = subprocess.run([sys.executable, "bench/gpu/gpu_preflight_kernels.py", str(out), "--arch", "90"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "tools.gpu.gpu_preflight_kernels", str(out), "--arch", "90"], cwd=ROOT,
                           capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     rows = [json.loads(line) for line in open(out / "kernels.jsonl")] if (out / "kernels.jsonl").exists() else []

@@ -1,20 +1,20 @@
-"""The vLLM stages of ``make gpu-check`` (``bench/gpu/gpu_check.sh`` runs them, each writing into OUTDIR).
+"""The vLLM stages of ``make gpu-check`` (``tools/gpu/gpu_check.sh`` runs them, each writing into OUTDIR).
 
-    python bench/gpu/gpu_check_vllm.py engine  OUT   # the engine starts: a random Qwen2.5-0.5B shape, the demo policy
-    python bench/gpu/gpu_check_vllm.py sleep   OUT   # sleep level 1, level 2, wake: GiB freed, greedy tokens unchanged
-    python bench/gpu/gpu_check_vllm.py critic  OUT   # a critic switched into the engine and back vs a fresh engine
-    python bench/gpu/gpu_check_vllm.py rollout OUT   # async vs lockstep on the turn-skewed workload (target >= 1.5x)
-    python bench/gpu/gpu_check_vllm.py train   OUT   # three colocated trainer steps (rollout, sleep, train, wake, sync)
-    python bench/gpu/gpu_check_vllm.py step    OUT   # the step against the Search-R1 design (target <= 0.4x)
+    python -m tools.gpu.gpu_check_vllm engine  OUT   # the engine starts: a random Qwen2.5-0.5B shape, the demo policy
+    python -m tools.gpu.gpu_check_vllm sleep   OUT   # sleep level 1, level 2, wake: GiB freed, greedy tokens unchanged
+    python -m tools.gpu.gpu_check_vllm critic  OUT   # a critic switched into the engine and back vs a fresh engine
+    python -m tools.gpu.gpu_check_vllm rollout OUT   # async vs lockstep on the turn-skewed workload (target >= 1.5x)
+    python -m tools.gpu.gpu_check_vllm train   OUT   # three colocated trainer steps (rollout, sleep, train, wake, sync)
+    python -m tools.gpu.gpu_check_vllm step    OUT   # the step against the Search-R1 design (target <= 0.4x)
 
 Stages joined by commas run one after the other in one process (``engine,sleep OUT``; gpu_check.sh does so without
 CUDA, where each only records why it did not run). Each records ``stage_vllm_<name>.json`` (``passed``, ``failed``
 or ``not run`` with the reason) and its figures in ``vllm_<name>.json``. They need CUDA and an importable vLLM (on
-the lent image: the kit of bench/gpu/vllm_kit.py); without either they say "not run" and why. vLLM's sleep-mode
+the lent image: the kit of tools/gpu/vllm_kit.py); without either they say "not run" and why. vLLM's sleep-mode
 allocator is one per process, so every engine starts in a child process of its own (``child``), which writes what it
 saw to a JSON file:
 
-    python bench/gpu/gpu_check_vllm.py child greedy|sleep|switch FOLDER JSON [--critic FOLDER] [--device cuda]
+    python -m tools.gpu.gpu_check_vllm child greedy|sleep|switch FOLDER JSON [--critic FOLDER] [--device cuda]
 """
 from __future__ import annotations
 
@@ -28,12 +28,7 @@ import sys
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-BENCH = os.path.dirname(HERE)  # the benchmarks these stages run, and results_io
-ROOT = os.path.dirname(BENCH)
-sys.path[:0] = [HERE, BENCH]
-
-from gpu_check_common import cuda_available  # noqa: E402
+from tools.gpu.gpu_check_common import ROOT, cuda_available
 
 STAGES = ("engine", "sleep", "critic", "rollout", "train", "step")
 PROMPTS = ["Who founded the river company?", "Where is the tallest tower?", "<search>the old bridge</search>",
@@ -188,11 +183,11 @@ def child(mode: str, folder: str, out_json: str, critic: str | None, device: str
 def run_child(out: str, mode: str, folder: str, name: str, critic: str | None = None, device: str = "cuda") -> dict:
     """``child`` in a fresh process (its log: OUT/<name>.log); its JSON, or RuntimeError naming the log."""
     path = os.path.join(out, "work", f"{name}.json")
-    cmd = [sys.executable, os.path.abspath(__file__), "child", mode, folder, path, "--device", device]
+    cmd = [sys.executable, "-m", "tools.gpu.gpu_check_vllm", "child", mode, folder, path, "--device", device]
     cmd += ["--critic", critic] if critic else []
-    from results_io import child_env
+    from bench.results_io import child_env
 
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200, env=child_env(ROOT, HERE, BENCH))
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200, env=child_env(ROOT))
     with open(os.path.join(out, f"{name}.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
     if proc.returncode or not os.path.exists(path):
@@ -237,9 +232,9 @@ def stage_critic(out: str, work: str, device: str) -> tuple:
 
 
 def stage_rollout(out: str, work: str, device: str) -> tuple:
-    from gpu_check_train import run_bench
+    from tools.gpu.gpu_check_train import run_bench
 
-    rc = run_bench(out, "bench_rollout.py", ["--engine", "vllm", "--trajectories", "256", "--reps", "3"],
+    rc = run_bench(out, "bench_rollout", ["--engine", "vllm", "--trajectories", "256", "--reps", "3"],
                    "vllm_rollout_bench.log", 1200)
     if rc:
         return "failed", f"bench_rollout.py exit {rc}, see vllm_rollout_bench.log", {}
@@ -250,7 +245,7 @@ def stage_rollout(out: str, work: str, device: str) -> tuple:
 
 
 def stage_train(out: str, work: str, device: str) -> tuple:
-    from gpu_check_train import train_overrides
+    from tools.gpu.gpu_check_train import train_overrides
 
     cuda = device == "cuda"
     run = os.path.join(work, "train_vllm_colocated")
@@ -274,12 +269,12 @@ def stage_train(out: str, work: str, device: str) -> tuple:
 
 
 def stage_step(out: str, work: str, device: str) -> tuple:
-    from results_io import child_env
+    from bench.results_io import child_env
 
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, "bench_step.py"), "--shape", "Qwen2.5-0.5B",
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_step", "--shape", "Qwen2.5-0.5B",
                            "--steps", "3", "--warmup", "1", "--tag", "vllm", "--out", out,
                            "--work", os.path.join(work, "step_vllm"), "rollout.engine=vllm"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=1800, env=child_env(ROOT, HERE, BENCH))
+                          capture_output=True, text=True, cwd=ROOT, timeout=1800, env=child_env(ROOT))
     with open(os.path.join(out, "vllm_step_bench.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
     if proc.returncode:

@@ -3,7 +3,7 @@
     nsys profile -o prof --force-overwrite true -t cuda,nvtx --capture-range=cudaProfilerApi --capture-range-end=stop \\
         python -m fastcredit.train --config configs/debug.yaml --profile
     nsys stats -q -r nvtx_sum -f csv -o prof prof.nsys-rep      # writes prof_nvtx_sum.csv
-    python bench/gpu/nsys_phases.py prof_nvtx_sum.csv --metrics OUTPUT_DIR/metrics.jsonl --steps 3,4,5
+    python -m tools.gpu.nsys_phases prof_nvtx_sum.csv --metrics OUTPUT_DIR/metrics.jsonl --steps 3,4,5
 
 ``--profile`` opens the capture window before the trainer's third step and closes it three steps later
 (steps 3, 4, 5 of metrics.jsonl), and every phase of a step is an NVTX push/pop range of the domain

@@ -1,10 +1,10 @@
-"""The stages of ``make gpu-check`` (driven by ``bench/gpu/gpu_check.sh``), one per call, each writing into OUTDIR.
+"""The stages of ``make gpu-check`` (driven by ``tools/gpu/gpu_check.sh``), one per call, each writing into OUTDIR.
 
-    python bench/gpu/gpu_check.py env     OUT           # env.json: GPU, driver, torch / CUDA, optional packages
-    python bench/gpu/gpu_check.py kernels OUT           # kernels.jsonl (a line per case as it finishes), targets.json
-    python bench/gpu/gpu_check.py train   OUT           # three trainer steps: step_times.json
-    python bench/gpu/gpu_check.py rollout OUT           # async vs lockstep on the turn-skewed workload: rollout_*.json
-    python bench/gpu/gpu_check.py summary OUT           # summary.md; exit 1 on any failed stage or target
+    python -m tools.gpu.gpu_check env     OUT       # env.json: GPU, driver, torch / CUDA, optional packages
+    python -m tools.gpu.gpu_check kernels OUT       # kernels.jsonl (a line per case as it finishes), targets.json
+    python -m tools.gpu.gpu_check train   OUT       # three trainer steps: step_times.json
+    python -m tools.gpu.gpu_check rollout OUT       # async vs lockstep on the turn-skewed workload: rollout_*.json
+    python -m tools.gpu.gpu_check summary OUT       # summary.md; exit 1 on any failed stage or target
 
 Every stage records ``stage_<name>.json``: ``passed``, ``failed`` or ``not run`` with the reason
 (a stage that needs CUDA or a package that is absent is "not run", never "passed"). On a CPU
@@ -23,10 +23,8 @@ import sys
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # here, and bench/: the benchmarks these stages run, results_io
+from tools.gpu.gpu_check_common import cuda_available, record
 
-from gpu_check_common import cuda_available, record  # noqa: E402
 OPTIONAL = ("vllm", "faiss", "flash_attn", "liger_kernel", "deepspeed", "nvtx", "triton", "fastcredit._C")
 # Targets on the GPU (the issue's numbers): turn surrogate fwd+bwd at N = 8M, fused linear log-prob fwd+bwd.
 SURROGATE_BW_FRAC, SURROGATE_SPEEDUP = 0.70, 5.0
@@ -104,9 +102,9 @@ def _peak_bytes(fn, cuda: bool):
 def _cases(cuda: bool):
     """(op, shape, provider, mode, callable, bytes, flops) for the turn surrogate and the fused log-prob."""
     import torch
-    from bench_linear_logprob import gemm_flops, logprob_case, make_inputs
-    from bench_turn_surrogate import bytes_moved, make_batch, make_case
-    from shapes import LogprobShape, LossShape
+    from bench.bench_linear_logprob import gemm_flops, logprob_case, make_inputs
+    from bench.bench_turn_surrogate import bytes_moved, make_batch, make_case
+    from bench.shapes import LogprobShape, LossShape
 
     dev = "cuda" if cuda else "cpu"
     loss_shapes = [LossShape("N1M", 1 << 20), LossShape("N8M", 1 << 23)] if cuda else \
@@ -133,7 +131,7 @@ def stage_kernels(out: str) -> None:
     python_ms, graph_ms = _timers(cuda)
     ceilings = {}
     if cuda:
-        from ceilings import bf16_matmul_tflops, copy_bandwidth_gbps
+        from bench.ceilings import bf16_matmul_tflops, copy_bandwidth_gbps
 
         ceilings = {"copy_gbps": copy_bandwidth_gbps(python_ms), "bf16_matmul_tflops": bf16_matmul_tflops(python_ms)}
     rows, failures = [], 0
@@ -208,11 +206,11 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     if a.stage == "summary":
-        from gpu_check_summary import write_summary
+        from tools.gpu.gpu_check_summary import write_summary
 
         return write_summary(a.out)
     try:
-        from gpu_check_train import stage_rollout, stage_train
+        from tools.gpu.gpu_check_train import stage_rollout, stage_train
 
         {"env": stage_env, "kernels": stage_kernels, "train": stage_train, "rollout": stage_rollout}[a.stage](a.out)
     except Exception as exc:

@@ -1,14 +1,14 @@
 """The vLLM kit of the lent GPU image, checked on a machine without a GPU (``make gpu-preflight``'s ``vllm`` stage).
 
-    python bench/gpu/gpu_preflight_vllm.py OUTDIR     # OUTDIR/vllm_kit.json, OUTDIR/vllm_kit.log
+    python -m tools.gpu.gpu_preflight_vllm OUTDIR     # OUTDIR/vllm_kit.json, OUTDIR/vllm_kit.log
 
-1. kit: ``bench/gpu/vllm_kit.py build`` when ``.whl/vllm_kit`` holds no manifest (downloads are cached), then the parts
+1. kit: ``tools/gpu/vllm_kit.py build`` when ``.whl/vllm_kit`` holds no manifest (downloads are cached), then the parts
    checked against the manifest, joined, and every wheel checked against its own sha256 (the GPU machine's code).
 2. venv: ``.venv-vllm024`` (ignored by git; made once, a stamp names what it holds): PyPI's ``torch==2.11.0``, its
    CUDA 13 build as on the image, and the image's own packages that vLLM imports, at the image's versions where
    they are known (IMAGE_SET).
 3. install: the kit's wheels with ``--no-index --no-deps`` into a target folder outside the venv, on PYTHONPATH, as
-   ``bench/gpu/gpu_lease.sh run`` does with /tmp/site; this venv is Python 3.11, so each compiled requirement built for
+   ``tools/gpu/gpu_lease.sh run`` does with /tmp/site; this venv is Python 3.11, so each compiled requirement built for
    the image's 3.12 is swapped for the same version's 3.11 build.
 4. probe, a fresh process with no GPU visible: ``from vllm import LLM``; ``fastcredit.rollout.engines.vllm``
    imports; ``vllm_compat`` resolves every choice to the 0.24 branch.
@@ -29,12 +29,9 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-BENCH = os.path.dirname(HERE)  # the benchmarks these stages run, and results_io
-ROOT = os.path.dirname(BENCH)
-sys.path[:0] = [HERE, BENCH]
-import vllm_kit  # noqa: E402
+from tools.gpu import vllm_kit
 
+ROOT = vllm_kit.ROOT
 VENV = os.path.join(ROOT, ".venv-vllm024")
 KIT = os.path.join(ROOT, ".whl", "vllm_kit")
 STAMP = ".fastcredit-preflight.json"
@@ -180,8 +177,8 @@ def check(out: str) -> dict:
     res: dict = {}
     with open(os.path.join(out, "vllm_kit.log"), "w") as log, tempfile.TemporaryDirectory() as tmp:
         if not os.path.exists(os.path.join(KIT, vllm_kit.MANIFEST)):
-            say("building the kit (bench/gpu/vllm_kit.py build)")
-            run("kit", [sys.executable, os.path.join(HERE, "vllm_kit.py"), "build", "--out", KIT], log)
+            say("building the kit (python -m tools.gpu.vllm_kit build)")
+            run("kit", [sys.executable, "-m", "tools.gpu.vllm_kit", "build", "--out", KIT], log)
         t = time.time()
         try:
             wheels = vllm_kit.unpack(KIT, os.path.join(tmp, "wheels"))

@@ -1,4 +1,4 @@
-"""The trainer and rollout stages of ``make gpu-check`` (bench/gpu/gpu_check.py dispatches to them): three trainer steps
+"""The trainer and rollout stages of ``make gpu-check`` (tools/gpu/gpu_check.py dispatches to them): three trainer steps
 per engine and run (step_times.json, the packed forward against the padded one), and async against lockstep rollouts
 on the turn-skewed workload; the trainer's overrides and the random policies the other stages' runs share
 (``random_policy``, ``train_overrides``)."""
@@ -12,7 +12,7 @@ import time
 import subprocess
 import sys
 
-from gpu_check_common import ROOT, cuda_available, record
+from tools.gpu.gpu_check_common import ROOT, cuda_available, record
 
 TRAIN_OVERRIDES = ["optim.total_steps=3", "eval.questions=0", "logging.checkpoint_every=0",
                    "data.toy.num_questions=200"]
@@ -102,16 +102,15 @@ def _packed_forward(out: str, cuda: bool) -> list:
     """The actor's packed forward against the padded one (bench/bench_packed_forward.py) at 0.5B-like shapes."""
     shape = ["--hidden", "1280", "--layers", "8", "--heads", "20", "--vocab", "32000", "--trajectories", "64",
              "--repeats", "5"] if cuda else ["--repeats", "1", "--trajectories", "8", "--max-len", "128"]
-    rc = run_bench(out, "bench_packed_forward.py", shape, "packed_forward.log", 900)
+    rc = run_bench(out, "bench_packed_forward", shape, "packed_forward.log", 900)
     return [] if rc == 0 else [f"packed forward bench: exit {rc}, see packed_forward.log"]
 
 
-def run_bench(out: str, script: str, args: list, log: str, timeout: int) -> int:
-    """``bench/<script> --out OUT args`` with the bench folder importable; its output goes to ``OUT/<log>``."""
-    from results_io import child_env  # here, not at the top: `env` runs before fastcredit is installed
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--out", out, *args],
-                          capture_output=True, text=True, cwd=ROOT, timeout=timeout,
-                          env=child_env(ROOT, os.path.join(ROOT, "bench")))
+def run_bench(out: str, module: str, args: list, log: str, timeout: int) -> int:
+    """``python -m bench.<module> --out OUT args`` from the checkout; its output goes to ``OUT/<log>``."""
+    from bench.results_io import child_env  # here, not at the top: `env` runs before fastcredit is installed
+    proc = subprocess.run([sys.executable, "-m", f"bench.{module}", "--out", out, *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=child_env(ROOT))
     with open(os.path.join(out, log), "w") as f:
         f.write(proc.stdout + proc.stderr)
     return proc.returncode
@@ -121,10 +120,10 @@ def stage_rollout(out: str) -> None:
     """bench/bench_rollout.py on the GPU: vLLM when it imports, else the HF engine (no continuous batching)."""
     if not cuda_available():
         record(out, "rollout", "not run",
-               "needs CUDA (the CPU figure: python bench/bench_rollout.py, in bench/results)")
+               "needs CUDA (the CPU figure: python -m bench.bench_rollout, in bench/results)")
         return
     engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
-    rc = run_bench(out, "bench_rollout.py", ["--engine", engine, "--trajectories", "256", "--reps", "3"],
+    rc = run_bench(out, "bench_rollout", ["--engine", engine, "--trajectories", "256", "--reps", "3"],
                     "rollout.log", 1200)
     if rc:
         record(out, "rollout", "failed", f"bench_rollout.py exit {rc}, see rollout.log")

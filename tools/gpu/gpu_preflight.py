@@ -1,22 +1,22 @@
 """``make gpu-preflight``: what a CPU machine can check of the GPU path before a GPU is spent on it.
 
-    python bench/gpu/gpu_preflight.py OUTDIR [--stages kernels,build,rules,vllm] [--arch 80,90,100]
+    python -m tools.gpu.gpu_preflight OUTDIR [--stages kernels,build,rules,vllm] [--arch 80,90,100]
 
 Stages, each into OUTDIR as it goes, then OUTDIR/summary.md:
 
 * kernels: every Triton kernel compiled ahead of time for sm_80, sm_90 and sm_100 with the
-  tiles, warps and stages the host code picks on that GPU (``bench/gpu/gpu_preflight_kernels.py``):
+  tiles, warps and stages the host code picks on that GPU (``tools/gpu/gpu_preflight_kernels.py``):
   ``kernels/kernels.jsonl``, ``kernels/kernels.md``. Fails on a compile error, shared memory
   above the per-block limit, or a spill in the linear log-prob.
 * build: ``fastcredit._C`` built against a CUDA build of torch with the Makefile's own command,
-  then the Makefile's own import line in a fresh process (``bench/gpu/gpu_preflight_build.py``):
+  then the Makefile's own import line in a fresh process (``tools/gpu/gpu_preflight_build.py``):
   ``extension/build.json``. The first run installs torch into a venv of its own (about 5.5 GB, ~7
   minutes); later runs reuse it (~1 minute).
 * rules: the distributed rules of the GPU path on two gloo ranks: the process group built as
   on GPUs (NCCL's device dispatch, gloo standing in), vLLM's executor and device for rank 3 of
   8, every CUDA-touching thread binding the rank's device, whitening over ranks, the policy
   read on rank 0 only: ``rules.xml`` (junit).
-* vllm: the lent GPU image's vLLM kit (``bench/gpu/gpu_preflight_vllm.py``): its parts against the manifest's sha256
+* vllm: the lent GPU image's vLLM kit (``tools/gpu/gpu_preflight_vllm.py``): its parts against the manifest's sha256
   sums, installed with ``--no-index --no-deps`` beside PyPI's CUDA build of torch 2.11.0 in ``.venv-vllm024``, no GPU
   visible: ``from vllm import LLM``, the engine module, the 0.24 branch of ``vllm_compat``, and the CUDA path's
   imports and engine configuration under a stand-in H100 platform: ``vllm_kit.json``. The first run makes the venv
@@ -34,8 +34,7 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STAGES = ("kernels", "build", "rules", "vllm")
 RULE_TESTS = ["tests/distributed/test_gpu_rules.py", "tests/runtime/test_devices.py",
               "tests/rollout/test_vllm_device.py"]
@@ -65,14 +64,14 @@ def run(cmd: list, log: str, env: dict | None = None) -> tuple[int, float]:
 
 
 def stage_kernels(out: str, arch: str) -> dict:
-    rc, s = run([sys.executable, "bench/gpu/gpu_preflight_kernels.py", os.path.join(out, "kernels"), "--arch", arch],
-                os.path.join(out, "kernels.log"))
+    cmd = [sys.executable, "-m", "tools.gpu.gpu_preflight_kernels", os.path.join(out, "kernels"), "--arch", arch]
+    rc, s = run(cmd, os.path.join(out, "kernels.log"))
     return {"status": "passed" if rc == 0 else "failed", "seconds": round(s, 1), "archs": arch,
             "note": "kernels/kernels.md" if rc == 0 else "see kernels.log"}
 
 
 def stage_build(out: str) -> dict:
-    rc, s = run([sys.executable, "bench/gpu/gpu_preflight_build.py", os.path.join(out, "extension")],
+    rc, s = run([sys.executable, "-m", "tools.gpu.gpu_preflight_build", os.path.join(out, "extension")],
                 os.path.join(out, "build_stage.log"))
     path = os.path.join(out, "extension", "build.json")
     info = json.load(open(path)) if os.path.exists(path) else {}
@@ -94,7 +93,7 @@ def stage_rules(out: str) -> dict:
 
 
 def stage_vllm(out: str) -> dict:
-    rc, s = run([sys.executable, "bench/gpu/gpu_preflight_vllm.py", out], os.path.join(out, "vllm_stage.log"))
+    rc, s = run([sys.executable, "-m", "tools.gpu.gpu_preflight_vllm", out], os.path.join(out, "vllm_stage.log"))
     path = os.path.join(out, "vllm_kit.json")
     info = json.load(open(path)) if os.path.exists(path) else {}
     if rc or info.get("status") != "passed":

@@ -1,6 +1,6 @@
 """The ``ranks`` stage of ``make gpu-check``: the trainer under torchrun on every visible GPU, two steps in bf16.
 
-    python bench/gpu/gpu_check_ranks.py OUT    # stage_ranks.json, ranks.json, ranks_train.log, ranks_offload_train.log
+    python -m tools.gpu.gpu_check_ranks OUT    # stage_ranks.json, ranks.json, ranks_train.log, ranks_offload_train.log
 
 Defects that only show with several ranks (an engine on the wrong GPU, a thread launching
 on device 0, a collective on a CPU tensor under NCCL) are caught here: the run must finish
@@ -21,13 +21,8 @@ import sys
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-BENCH = os.path.dirname(HERE)  # the benchmarks these stages run, and results_io
-ROOT = os.path.dirname(BENCH)
-sys.path[:0] = [HERE, BENCH]
-
-from gpu_check_common import cuda_available, record  # noqa: E402
-from gpu_check_train import TRAIN_OVERRIDES, random_policy  # noqa: E402
+from tools.gpu.gpu_check_common import ROOT, cuda_available, record
+from tools.gpu.gpu_check_train import TRAIN_OVERRIDES, random_policy
 
 
 def _sample_gpus(pids_of_run, stop: threading.Event, seen: dict) -> None:

@@ -1,5 +1,5 @@
 """The summary of ``make gpu-check``: ``OUT/summary.md`` from the stage files the stages of
-``bench/gpu/gpu_check.py`` wrote into OUT (``python bench/gpu/gpu_check.py summary OUT`` runs it)."""
+``tools/gpu/gpu_check.py`` wrote into OUT (``python -m tools.gpu.gpu_check summary OUT`` runs it)."""
 from __future__ import annotations
 
 import glob

@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# Everything GPU-side in one command: bash bench/gpu/gpu_check.sh OUTDIR   (or: make gpu-check)
+# Everything GPU-side in one command: bash tools/gpu/gpu_check.sh OUTDIR   (or: make gpu-check)
 #
 # Stages, each under `timeout`, each writing into OUTDIR as it goes (a stage that times out
 # loses nothing written before it): env -> build the CUDA extension -> GPU tests and the kernel
 # tests compiled -> kernel benchmarks and targets -> three trainer steps -> two steps under torchrun on
 # every visible GPU (2 or more) -> the async-vs-lockstep rollout bench -> a step against the Search-R1
 # design, random weights -> the same, warm-started so that it searches -> an nsys profile -> with vLLM (when it imports;
-# bench/gpu/gpu_check_vllm.py): the engine starts, sleep levels 1 and 2, the critic switch, async vs lockstep, three
+# tools/gpu/gpu_check_vllm.py): the engine starts, sleep levels 1 and 2, the critic switch, async vs lockstep, three
 # colocated trainer steps, the step against the Search-R1 design -> summary.md.
-# Exit status 1 when any stage or target fails. Wheels placed in bench/wheels/ (or
+# Exit status 1 when any stage or target fails. Wheels placed in tools/gpu/wheels/ (or
 # $GPU_CHECK_WHEELS) are installed first with --no-deps (liger-kernel, nvtx, ... on a bare image).
 # GPU_CHECK_STAGES="kernels train" runs only those stages into the same OUTDIR (the summary reads
 # every stage file there), so the check can be split over two 10-minute runs.
 # On a machine without CUDA the same command runs quick shapes under the Triton interpreter and
 # reports the stages that need CUDA as "not run".
 set -uo pipefail
-OUT=${1:?usage: bash bench/gpu/gpu_check.sh OUTDIR}
+OUT=${1:?usage: bash tools/gpu/gpu_check.sh OUTDIR}
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}
 mkdir -p "$OUT/work"
@@ -46,7 +46,7 @@ run_stage() {  # name, then a command or an exported function; a timeout or cras
   fi
 }
 
-WHEELS=${GPU_CHECK_WHEELS:-bench/wheels}
+WHEELS=${GPU_CHECK_WHEELS:-tools/gpu/wheels}
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-deps "$WHEELS"/*.whl 2>&1 | tail -3
 fi
@@ -54,9 +54,9 @@ if has_cuda; then CUDA=1; else
   CUDA=0; export TRITON_INTERPRET=1
   echo "[gpu-check] no CUDA device: quick shapes under the Triton interpreter; CUDA stages are not run"
 fi
-export GPU_CHECK_CUDA=$CUDA  # the stages take the answer (bench/gpu/gpu_check_common.py) instead of asking torch
+export GPU_CHECK_CUDA=$CUDA  # the stages take the answer (tools/gpu/gpu_check_common.py) instead of asking torch
 
-run_stage env "$PY" bench/gpu/gpu_check.py env "$OUT"
+run_stage env "$PY" -m tools.gpu.gpu_check env "$OUT"
 
 if [ "$CUDA" = 1 ]; then
   build() {
@@ -87,15 +87,14 @@ else
   want tests && record tests "not run" "needs CUDA (the kernel tests run under the interpreter in make test)"
 fi
 
-run_stage kernels "$PY" bench/gpu/gpu_check.py kernels "$OUT"
-run_stage train "$PY" bench/gpu/gpu_check.py train "$OUT"
-run_stage ranks "$PY" bench/gpu/gpu_check_ranks.py "$OUT"
-run_stage rollout "$PY" bench/gpu/gpu_check.py rollout "$OUT"
+run_stage kernels "$PY" -m tools.gpu.gpu_check kernels "$OUT"
+run_stage train "$PY" -m tools.gpu.gpu_check train "$OUT"
+run_stage ranks "$PY" -m tools.gpu.gpu_check_ranks "$OUT"
+run_stage rollout "$PY" -m tools.gpu.gpu_check rollout "$OUT"
 
 if [ "$CUDA" = 1 ]; then
   step_stage() {  # fastcredit's step against the Search-R1 design (bench/bench_step.py), a random Qwen2.5-0.5B
-    PYTHONPATH=".:bench${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/bench_step.py --shape Qwen2.5-0.5B --steps 3 \
-      --warmup 1 --out "$OUT" --work "$OUT/work/step" \
+    "$PY" -m bench.bench_step --shape Qwen2.5-0.5B --steps 3 --warmup 1 --out "$OUT" --work "$OUT/work/step" \
       && record step passed "step_Qwen2.5-0.5B_*.{json,md,png}" || record step failed "see step.log"
   }
   export -f step_stage
@@ -103,8 +102,8 @@ if [ "$CUDA" = 1 ]; then
   # the same at the demo's batch with a short warm start, so the policy searches and the retrieval path, where the
   # designs differ most, is timed too (random weights make no searches); each design warm-starts before its steps
   search_step_stage() {
-    PYTHONPATH=".:bench${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/bench_step.py --shape Qwen2.5-0.5B \
-      --config configs/demo.yaml --tag search --steps 3 --warmup 1 --out "$OUT" --work "$OUT/work/search_step" \
+    "$PY" -m bench.bench_step --shape Qwen2.5-0.5B --config configs/demo.yaml --tag search --steps 3 --warmup 1 \
+      --out "$OUT" --work "$OUT/work/search_step" \
       warmstart.questions=1500 warmstart.epochs=1 warmstart.lr=5e-4 \
       && record search_step passed "step_Qwen2.5-0.5B_search_*.{json,md,png}" \
       || record search_step failed "see search_step.log"
@@ -112,16 +111,16 @@ if [ "$CUDA" = 1 ]; then
   export -f search_step_stage
   run_stage search_step search_step_stage
 else
-  want step && record step "not run" "needs CUDA (on a CPU: PYTHONPATH=. python bench/bench_step.py)"
+  want step && record step "not run" "needs CUDA (on a CPU: python -m bench.bench_step)"
   want search_step && record search_step "not run" \
-    "needs CUDA (on a CPU: PYTHONPATH=. python bench/bench_step.py --config configs/demo.yaml)"
+    "needs CUDA (on a CPU: python -m bench.bench_step --config configs/demo.yaml)"
 fi
 
 GPUS=$([ "$CUDA" = 1 ] && "$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "$CUDA" = 1 ] && [ "$GPUS" -ge 2 ]; then
   split_stage() {  # the split placement at k = 0, 1, 2 beside colocated, 2 ranks, vLLM where it imports
     ENGINE=$("$PY" -c "import importlib.util as u; print('vllm' if u.find_spec('vllm') else 'hf')")
-    PYTHONPATH=".:bench${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/bench_step.py --placement split --staleness 0,1,2 \
+    "$PY" -m bench.bench_step --placement split --staleness 0,1,2 \
       --shape Qwen2.5-0.5B --steps 4 --warmup 1 --out "$OUT" --work "$OUT/work/split" rollout.engine=$ENGINE \
       && record split passed "step_split_Qwen2.5-0.5B_*.{json,md} (engine $ENGINE)" \
       || record split failed "see split.log"
@@ -130,7 +129,7 @@ if [ "$CUDA" = 1 ] && [ "$GPUS" -ge 2 ]; then
   run_stage split split_stage
 elif want split; then
   record split "not run" "$([ "$CUDA" = 1 ] && echo "needs 2 GPUs (a training and a rollout rank), $GPUS visible" \
-    || echo 'needs CUDA (the CPU figure: bench/bench_step.py --placement split, in bench/results)')"
+    || echo 'needs CUDA (the CPU figure: python -m bench.bench_step --placement split, in bench/results)')"
 fi
 
 if [ "$CUDA" = 1 ] && command -v nsys >/dev/null; then
@@ -152,10 +151,10 @@ fi
 # each records "not run" and why without CUDA or an importable vLLM (on the lent image: the kit, docs/gpu.md); without
 # CUDA one process records all of them (a process each would import torch six times for the same answer)
 if [ "$CUDA" = 1 ]; then
-  for s in $VLLM_STAGES; do run_stage "$s" "$PY" bench/gpu/gpu_check_vllm.py "${s#vllm_}" "$OUT"; done
+  for s in $VLLM_STAGES; do run_stage "$s" "$PY" -m tools.gpu.gpu_check_vllm "${s#vllm_}" "$OUT"; done
 else
   VLLM_WANTED=$(for s in $VLLM_STAGES; do want "$s" && echo "${s#vllm_}"; done | paste -sd, -)
-  [ -z "$VLLM_WANTED" ] || "$PY" bench/gpu/gpu_check_vllm.py "$VLLM_WANTED" "$OUT" 2>&1 | tee "$OUT/vllm.log"
+  [ -z "$VLLM_WANTED" ] || "$PY" -m tools.gpu.gpu_check_vllm "$VLLM_WANTED" "$OUT" 2>&1 | tee "$OUT/vllm.log"
 fi
 
-"$PY" bench/gpu/gpu_check.py summary "$OUT"
+"$PY" -m tools.gpu.gpu_check summary "$OUT"

@@ -1,10 +1,10 @@
 """The vLLM kit: vllm 0.24.0, slimmed, and the requirements the lent GPU image lacks, in parts that each fit one
 transfer to that machine, with a manifest of sha256 sums.
 
-    python bench/gpu/vllm_kit.py build [--out .whl/vllm_kit] [--part-mib auto]  # here (bench/gpu/gpu_lease.sh prepare)
-    python bench/gpu/vllm_kit.py verify .whl/vllm_kit                          # every part present, hashes match
-    python bench/gpu/vllm_kit.py unpack .whl/vllm_kit DEST                     # there: verify, reassemble, DEST/*.whl
-    python bench/gpu/vllm_kit.py resolve                                       # maintenance: re-resolve KIT_WHEELS
+    python -m tools.gpu.vllm_kit build [--out .whl/vllm_kit] [--part-mib auto]  # here (tools/gpu/gpu_lease.sh prepare)
+    python -m tools.gpu.vllm_kit verify .whl/vllm_kit                          # every part present, hashes match
+    python -m tools.gpu.vllm_kit unpack .whl/vllm_kit DEST                     # there: verify, reassemble, DEST/*.whl
+    python -m tools.gpu.vllm_kit resolve                                       # maintenance: re-resolve KIT_WHEELS
 
 Why this version: the GPU image (Python 3.12, torch 2.11.0+cu130, no network) cannot take vllm 0.32 (it pins torch
 2.13); vllm 0.24.0 pins exactly the image's torch 2.11.0, torchvision 0.26.0 and torchaudio 2.11.0 and is a CUDA 13
@@ -66,7 +66,7 @@ SLIM_REMOVED = [
 ]
 
 # Requirements of vllm 0.24.0 (and theirs) that the image lacks, as pip resolved them for Python 3.12 beside the
-# image's torch 2.11.0 / transformers 5.17.0 (bench/gpu/vllm_kit.py resolve, 2026-11-27). Compiled ones are cp312 or
+# image's torch 2.11.0 / transformers 5.17.0 (tools/gpu/vllm_kit.py resolve, 2026-11-27). Compiled ones are cp312 or
 # abi3 manylinux wheels; the preflight installs cp311 builds of the same versions on its Python 3.11.
 KIT_WHEELS = [
     "annotated-types==0.8.0", "apache-tvm-ffi==0.1.15.post2", "astor==0.8.1", "blake3==1.0.11", "cachetools==8.0.2",
@@ -306,7 +306,7 @@ def build(out: str, part_option: str) -> dict:
 def load_manifest(kit: str) -> dict:
     path = os.path.join(kit, MANIFEST)
     if not os.path.exists(path):
-        raise SystemExit(f"{path}: no manifest (build the kit with: python bench/gpu/vllm_kit.py build)")
+        raise SystemExit(f"{path}: no manifest (build the kit with: python -m tools.gpu.vllm_kit build)")
     with open(path) as f:
         return json.load(f)
 

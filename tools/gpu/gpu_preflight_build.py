@@ -1,7 +1,7 @@
 """The GPU path of ``make env`` on a machine without a GPU: build ``fastcredit._C`` against a CUDA build of torch
 with the Makefile's own build command, then run the Makefile's own import line in a fresh process.
 
-    python3 bench/gpu/gpu_preflight_build.py OUTDIR     # any Python >= 3.11 (stdlib only); OUTDIR/build.{json,log}
+    python -m tools.gpu.gpu_preflight_build OUTDIR     # any Python >= 3.11 (stdlib only); OUTDIR/build.{json,log}
 
 PyPI's Linux torch wheels are CUDA builds that import without a GPU, so this catches a build or load failure
 before a GPU machine is spent on it. Steps, with progress on stdout and every command's output in build.log:
@@ -91,7 +91,7 @@ def makefile_gpu_commands(makefile: str) -> tuple[str, str]:
     if build is None or imp is None:
         raise ValueError(f"{makefile}: no GPU build line (FASTCREDIT_BUILD_CUDA=1 $(PY) ... --no-build-isolation) or "
                          "no import line ($(PY) -c \"import fastcredit._C ...\"); update "
-                         "bench/gpu/gpu_preflight_build.py")
+                         "tools/gpu/gpu_preflight_build.py")
     return build, imp
 
 

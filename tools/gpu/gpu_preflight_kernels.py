@@ -1,9 +1,9 @@
 """Compile every Triton kernel for real GPUs on a machine without one, with the host code's own launch choices.
 
-    python bench/gpu/gpu_preflight_kernels.py OUTDIR [--arch 80,90,100]     # default: --arch 90 (H100)
+    python -m tools.gpu.gpu_preflight_kernels OUTDIR [--arch 80,90,100]     # default: --arch 90 (H100)
 
 Runs the real host code, ``linear_logprob_triton`` and ``turn_surrogate_loss`` forward and
-backward, at the benchmark shapes (``bench/shapes.py``) under ``bench/gpu/aot_compile.py``'s
+backward, at the benchmark shapes (``bench/shapes.py``) under ``tools/gpu/aot_compile.py``'s
 ``compile_only``: every launch compiles for ``sm_<arch>`` with the tiles, warps, stages and
 argument specialisation that a run on that GPU would use, and nothing is launched. Writes
 ``OUTDIR/kernels.jsonl`` (a line per case and kernel: config, registers, spills, stack,
@@ -36,11 +36,9 @@ from typing import Callable, Optional  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # aot_compile here; results_io and the shapes in bench/
-from aot_compile import CompileFailed, compile_only, limit_problems, resource_usage  # noqa: E402
-from results_io import device_name  # noqa: E402
-from shapes import LOGPROB_SHAPES, LOSS_SHAPES  # noqa: E402
+from bench.results_io import device_name  # noqa: E402
+from bench.shapes import LOGPROB_SHAPES, LOSS_SHAPES  # noqa: E402
+from tools.gpu.aot_compile import CompileFailed, compile_only, limit_problems, resource_usage  # noqa: E402
 
 from fastcredit.kernels.linear_logprob import VARIANTS, linear_logprob_triton, variant_config  # noqa: E402
 from fastcredit.kernels.turn_surrogate import AGG_MODES, SurrogateLaunch, turn_surrogate_loss  # noqa: E402
