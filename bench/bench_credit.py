@@ -37,7 +37,7 @@ CHOICES = 3  # distinct observations a search turn of a group may show
 def _variants() -> list[tuple[str, str, CreditConfig]]:
     """(label, estimator, config) rows; PPO and PiCA also with γλ < 1 (the blocked scan) and turn-level GAE."""
     rows = [(name, name, CreditConfig()) for name in ("grpo", "criticsearch", "cwgrpo", "proceed", "ppo", "pica",
-                                                       "gigpo")]
+                                                       "gigpo", "igsearch")]
     rows.append(("ppo γ=0.99 λ=0.95", "ppo", CreditConfig(gamma=0.99, lam=0.95)))
     rows.append(("pica γ=0.99 λ=0.95", "pica", CreditConfig(gamma=0.99, lam=0.95)))
     turn = CreditConfig()
@@ -103,6 +103,9 @@ def make_inputs(B: int, turns: int, tokens: int, group: int, seed: int = 0) -> C
         prm_f0_B=torch.rand(B, generator=gen), prm_f_S=torch.rand(S, generator=gen),
         values_N=torch.randn(N, generator=gen), old_logp_N=-torch.rand(N, generator=gen),
         ref_logp_N=-torch.rand(N, generator=gen),
+        # IG-Search: a gain on every search turn (NaN on answers), its query the middle half of the action
+        ig_S=torch.where(kind_S.reshape(-1) == SEARCH, torch.randn(S, generator=gen), float("nan")),
+        seg_query_start_S=action_S // 4, seg_query_len_S=action_S // 2,
     )
 
 
