@@ -169,7 +169,7 @@ def run_design(name: str, config: str, overrides: list[str], work: str, steps: i
     """Train ``warmup + steps`` steps of one design in this process: the timed steps' metrics rows, and the digest
     of the policy's weights before the first step and after the last."""
     from fastcredit.config import load_config
-    from fastcredit.distributed.process_group import init_distributed
+    from fastcredit.distributed.process_group import init_distributed, shutdown
     from fastcredit.trainer.checks import check_run
     from fastcredit.trainer.loop import Trainer
 
@@ -199,6 +199,7 @@ def run_design(name: str, config: str, overrides: list[str], work: str, steps: i
     threads = {"python": python_threads(), "os": len(process_threads() or [])}
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"time/step"' in line]
     del trainer
+    shutdown(info)  # FSDP2's one-process group: ended here, the process leaves through exit_process
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -357,4 +358,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fastcredit.distributed.process_group import exit_process
+
+    exit_process(main())

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     from fastcredit.config import ConfigError, load_config
     from fastcredit.credit.types import TurnKind
     from fastcredit.data.toyqa import new_hop_turns
-    from fastcredit.distributed.process_group import init_distributed
+    from fastcredit.distributed.process_group import init_distributed, shutdown
     from fastcredit.rollout.agent import searcher_session
     from fastcredit.trainer.checks import check_run
     from fastcredit.trainer.loop import Trainer
@@ -128,6 +128,7 @@ def main(argv=None) -> int:
     figures["greedy_heldout_em"] = heldout.get("eval/em")
     figures["heldout_questions"] = min(cfg.eval.questions, len(trainer.parts.data.test))
     trainer.logger.close()
+    shutdown(info)  # FSDP2's one-process group
     device = device_name()
     doc = {"config": os.path.relpath(os.path.abspath(args.config), ROOT), "overrides": overrides,
            "prompts": len(idx), "n_samples": cfg.rollout.n_samples, "max_turns": cfg.rollout.max_turns,
@@ -145,6 +146,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)  # the one-process group's threads may race the interpreter's exit
+    from fastcredit.distributed.process_group import exit_process
+
+    exit_process(main())

@@ -132,7 +132,7 @@ def _eval_data(cfg: TrainConfig, data: Optional[str], split: str,
 
 
 # how evaluate() opens a folder's engine (tests put a scripted policy in its place)
-_make_engine = engine_from_folder
+engine_factory = engine_from_folder
 
 
 def input_errors() -> tuple:
@@ -233,7 +233,7 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
     seconds = 0.0
     if max_over_ranks(len(todo), info):  # every rank opens its engine and index share when any rank has work
         tokenizer, gen, searcher, kind, device = open_policy(cfg, folder, corpus, engine, progress and info.is_main,
-                                                             info, make_engine=_make_engine)
+                                                             info, make_engine=engine_factory)
         if info.is_main:
             ranks = f" ({info.world_size} ranks, each its shard)" if info.distributed else ""
             print(f"evaluating {folder} on {data_path} ({len(chosen)} questions, "
@@ -317,9 +317,11 @@ def main(argv: Optional[list] = None) -> int:
                       f"{t['questions_per_s']:.2f} questions/s")
             print(f"results: {os.path.join(res['out'], RESULTS_MD)}  {os.path.join(res['out'], RESULTS_JSON)}")
     if info.distributed:
-        shutdown(info, code)  # leaves the process (gloo's threads race the interpreter's exit)
+        shutdown(info, code)
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fastcredit.distributed.process_group import exit_process
+
+    exit_process(main())

@@ -140,4 +140,6 @@ def _fit(trainer, info, main: bool, on_collapse) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fastcredit.distributed.process_group import exit_process
+
+    exit_process(main())

@@ -23,7 +23,7 @@ KEY = "fastcredit_background"
 # job name: (the test's node id, the script and its arguments after OUT)
 JOBS = {"gpu_extra_3.12": ("tests/test_install.py::test_the_gpu_extra_resolves_with_one_cuda_major[3.12]",
                            ["tests/resolve_gpu_extra.py", "--python", "3.12"])}
-_procs: dict = {}
+RUNNING: dict = {}
 
 
 def configure(config) -> None:
@@ -46,16 +46,16 @@ def start_for(config, nodeids) -> None:
         return
     wanted = set(nodeids)
     for name, (nodeid, _) in JOBS.items():
-        if nodeid not in wanted or name in _procs:
+        if nodeid not in wanted or name in RUNNING:
             continue
         out = os.path.join(base, name)
         os.makedirs(out, exist_ok=True)
         log = open(os.path.join(out, "job.log"), "w")
-        _procs[name] = subprocess.Popen(_command(name, out), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        RUNNING[name] = subprocess.Popen(_command(name, out), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         with open(os.path.join(out, "pid"), "w") as f:
-            f.write(str(_procs[name].pid))
+            f.write(str(RUNNING[name].pid))
 
 
 def _command(name: str, out: str) -> list:
@@ -67,11 +67,11 @@ def _command(name: str, out: str) -> list:
 def finish(config) -> None:
     """Kill jobs still running (their test was deselected late, or the session was interrupted); remove the
     folder."""
-    for proc in _procs.values():
+    for proc in RUNNING.values():
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-    _procs.clear()
+    RUNNING.clear()
     base = getattr(config, "fastcredit_background", None)
     if base:
         shutil.rmtree(base, ignore_errors=True)

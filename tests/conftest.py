@@ -50,7 +50,6 @@ LONGEST_FIRST = (
     "tests/test_eval.py",                          # 28
     "tests/distributed/test_multinode.py",         # 26
     "tests/runtime/test_torch_profile.py",         # 23
-    "tests/test_forkserver.py",                    # 23
     "tests/kernels/test_turn_surrogate.py",        # 19
     "tests/distributed/test_deepspeed_update.py",  # 16
     "tests/rollout/test_llama_vllm.py",            # 15

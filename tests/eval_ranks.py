@@ -25,6 +25,7 @@ import time
 from test_eval import OracleEngine  # this file's folder, tests/, is sys.path[0]: torchrun runs it as a script
 
 from fastcredit import eval as E
+from fastcredit.distributed.process_group import exit_process
 from fastcredit.data.loaders import load_qa
 from fastcredit.trainer import heldout
 
@@ -82,8 +83,8 @@ def add(self, new):
         wait_until(lambda: False, "torchrun to stop this rank")
 
 
-E._make_engine = make
+E.engine_factory = make
 heldout.PredictionCache.add = add
 
 if __name__ == "__main__":
-    sys.exit(E.main(sys.argv[1:]))
+    exit_process(E.main(sys.argv[1:]))

@@ -17,6 +17,7 @@ from collections import Counter
 
 import fastcredit.distributed.checkpoint as checkpoint
 import fastcredit.runtime.profiling as profiling
+from fastcredit.distributed.process_group import exit_process
 from fastcredit.train import main
 
 WHERE, NTH = os.environ.get("KILL_AT", ":0").split(":")
@@ -44,7 +45,7 @@ def phase(self, name):
     return _phase(self, name)
 
 
-_write_latest = checkpoint._write_latest
+_write_latest = checkpoint.write_latest
 
 
 def write_latest(root, name):
@@ -53,7 +54,7 @@ def write_latest(root, name):
 
 
 profiling.PhaseTimer.phase = phase
-checkpoint._write_latest = write_latest
+checkpoint.write_latest = write_latest
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_process(main(sys.argv[1:]))

@@ -23,20 +23,20 @@ def jobs(tmp_path, monkeypatch):
     script.write_text(SCRIPT)
     monkeypatch.setattr(background, "JOBS", {"ok": ("t.py::ok", [str(script), "0.5", "ok"]),
                                              "dies": ("t.py::dies", [str(script), "0", "die"])})
-    monkeypatch.setattr(background, "_procs", {})
+    monkeypatch.setattr(background, "RUNNING", {})
     config = types.SimpleNamespace()
     background.configure(config)
     yield config
     background.finish(config)
-    assert not background._procs
+    assert not background.RUNNING
 
 
 def test_a_collected_job_runs_in_the_background_and_its_test_waits_for_it(jobs, tmp_path):
     background.start_for(jobs, ["t.py::ok", "t.py::other"])
-    assert set(background._procs) == {"ok"}  # only the collected test's job
+    assert set(background.RUNNING) == {"ok"}  # only the collected test's job
     assert background.result(jobs, "ok", tmp_path) == {"answer": 42}
     background.start_for(jobs, ["t.py::ok"])  # once per session
-    assert len(background._procs) == 1
+    assert len(background.RUNNING) == 1
 
 
 def test_a_worker_finds_the_controllers_folder(jobs, tmp_path):

@@ -3,11 +3,10 @@ report's arithmetic (bench/step_report.py): the phase table, time per token, the
 did the same work."""
 import json
 import os
-import sys
 
 import pytest
 
-from tests import forkserver
+from tests.commands import run_main
 
 from bench.bench_step import check_same_start, shape_overrides
 from bench.step_report import DESIGNS, comparability, headline, markdown, phase_table, workload
@@ -141,13 +140,12 @@ def test_bench_step_runs_both_designs_and_writes_its_results(tmp_path):
     to nothing). Both designs start from the one warm start fastcredit's run made (the Search-R1 design loads it:
     the cache key leaves out where searches go), and the policy is frozen: the same weights before and after."""
     out = tmp_path / "results"
-    cmd = [sys.executable, "-m", "bench.bench_step", "--steps", "1", "--warmup", "0", "--rounds", "1",
-           "--work", str(tmp_path / "w"), "--out", str(out), "--tag", "t", "optim.batch_prompts=2",
-           "rollout.n_samples=2", "rollout.mode=async",
-           "optim.mini_batch_prompts=2", "data.toy.num_questions=40", "data.toy.num_people=80",
-           "data.toy.num_companies=20", "model.tiny_vocab_rows=3000", "distributed.offload_state=false",
-           "warmstart.enabled=true", "warmstart.epochs=1", "warmstart.questions=8"]
-    proc = forkserver.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    args = ["--steps", "1", "--warmup", "0", "--rounds", "1", "--work", str(tmp_path / "w"), "--out", str(out),
+            "--tag", "t", "optim.batch_prompts=2", "rollout.n_samples=2", "rollout.mode=async",
+            "optim.mini_batch_prompts=2", "data.toy.num_questions=40", "data.toy.num_people=80",
+            "data.toy.num_companies=20", "model.tiny_vocab_rows=3000", "distributed.offload_state=false",
+            "warmstart.enabled=true", "warmstart.epochs=1", "warmstart.questions=8"]
+    proc = run_main("bench.bench_step", args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.load(open(next(out.glob("step_tiny_t_*.json"))))
     assert [w["what"] for w in report["workload"]][0] == "searches / trajectory"

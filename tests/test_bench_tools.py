@@ -6,8 +6,8 @@ import re
 import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# a forked test child sets up its path as `python -m` / `python SCRIPT` would: that is its job
-SETS_UP_A_PROCESS = {"tests/forkserver.py"}
+# runs a command's main in the test's process and puts back the sys.path it found: that is its job
+SETS_UP_A_PROCESS = {"tests/commands.py"}
 EDITS_SYS_PATH = re.compile(r"sys\.path\s*(\.insert|\.append|\.extend|\[[^\]]*\]\s*=|\+=|=)")
 
 

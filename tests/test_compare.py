@@ -12,7 +12,7 @@ from fastcredit.compare.runs import summarize_run, train_command, variants
 from fastcredit.config import load_config
 from fastcredit.compare.report import (BEHAVIOUR_METRICS, CREDIT_METRICS, format_markdown, mean_interval, steps_to,
                                        summarize)
-from tests import forkserver
+from tests.commands import run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["data.toy.num_people=80", "data.toy.num_companies=20", "data.toy.num_questions=60", "eval.questions=4",
@@ -21,10 +21,9 @@ SMALL = ["data.toy.num_people=80", "data.toy.num_companies=20", "data.toy.num_qu
 
 
 def compare(tmp, runs, *args):
-    cmd = [sys.executable, "-m", "fastcredit.compare", "--config", os.path.join(ROOT, "configs", "debug.yaml"),
-           "--runs", str(runs), "--out", str(tmp / "out"), f"data.world_dir={tmp / 'world'}", *SMALL, *args]
-    return forkserver.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    args = ["--config", os.path.join(ROOT, "configs", "debug.yaml"), "--runs", str(runs), "--out", str(tmp / "out"),
+            f"data.world_dir={tmp / 'world'}", *SMALL, *args]
+    return run_main("fastcredit.compare", args, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
 def test_compare_runs_every_method_resumes_and_reproduces(tmp_path):

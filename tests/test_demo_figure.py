@@ -5,12 +5,11 @@ outside the tolerance, and, with FASTCREDIT_DEMO_FIGURE=1, on the demo's own war
 demo's world, index and supervised pass, then one evaluation of the whole test split; too long for CI's budget)."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from bench.check_demo_figure import check, main, readme_figure
+from tests.commands import run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,11 +57,9 @@ def test_the_check_names_what_it_cannot_read(tmp_path, capsys):
                            "(make demo checks the same figure after every demo)")
 def test_the_demos_warm_start_scores_the_readme_figure(tmp_path):
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "fastcredit.train", "--config", os.path.join(ROOT, "configs", "demo.yaml"),
-           f"logging.output_dir={out}", f"data.world_dir={tmp_path / 'world'}", "optim.total_steps=0",
-           "logging.progress=false"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    args = ["--config", os.path.join(ROOT, "configs", "demo.yaml"), f"logging.output_dir={out}",
+            f"data.world_dir={tmp_path / 'world'}", "optim.total_steps=0", "logging.progress=false"]
+    proc = run_main("fastcredit.train", args, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ok, message = check(str(out))
     assert ok, message

@@ -105,7 +105,7 @@ def _run(toy, monkeypatch, examples, fail_after=None, **kw):
         engines.append(OracleEngine(tokenizer, examples, fail_after))
         return engines[-1]
 
-    monkeypatch.setattr(E, "_make_engine", make)
+    monkeypatch.setattr(E, "engine_factory", make)
     return E.evaluate(toy["cfg"], toy["folder"], progress=False, **kw), engines
 
 
@@ -168,9 +168,9 @@ def _ranks_cmd(toy, out: str, started) -> tuple[list, dict]:
 
 
 def _torchrun(cmd: list, env: dict, timeout: float = 600):
-    from tests import forkserver  # here: tests/eval_ranks.py imports this module with tests/ as its folder
+    from tests.commands import run_process  # here: tests/eval_ranks.py imports this module with tests/ as its folder
 
-    return forkserver.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    return run_process(cmd, timeout=timeout, env=env)
 
 
 def test_eval_under_torchrun_splits_the_questions_and_a_killed_rank_resumes_its_shard_only(toy, monkeypatch,
@@ -213,10 +213,7 @@ def test_a_rank_that_fails_ends_the_job_instead_of_leaving_the_others_waiting(to
     try:
         proc = _torchrun(cmd, {**env, "FAIL_RANK": "1", "FAIL_AFTER": "2", "PEER_RECORDS": str(shard0),
                                "FAIL_MODE": "raise"}, timeout=300)
-    except subprocess.TimeoutExpired:
-        # cold ranks (FASTCREDIT_TEST_FORKSERVER=0) hold this folder in their command lines; forked ones die with
-        # their torchrun (tests/zygote.py)
-        subprocess.run(["pkill", "-9", "-f", out])
+    except subprocess.TimeoutExpired:  # run_process killed the job's session, its ranks with it
         raise AssertionError("the job hung after one rank failed") from None
     assert proc.returncode != 0 and "rank 1 fails on purpose after 2 chunks" in proc.stderr, proc.stderr[-3000:]
     assert "eval_ranks: rank" not in proc.stderr, proc.stderr[-3000:]
@@ -243,13 +240,12 @@ def run(toy):
     """Two training steps of the debug config on the seven-source parquet (train and test), evaluating every step."""
     base = toy["base"]
     out = str(base / "trained")
-    cmd = [sys.executable, "-m", "fastcredit.train", "--config", DEBUG, f"logging.output_dir={out}",
-           "data.source=searchr1", f"data.train_path={toy['parquet']}", f"data.test_path={toy['parquet']}",
-           f"retrieval.corpus={toy['data'].corpus}", "eval.questions=14", "eval.every=1", "optim.total_steps=2"]
-    from tests import forkserver  # here: tests/eval_ranks.py imports this module with tests/ as its folder
+    args = ["--config", DEBUG, f"logging.output_dir={out}", "data.source=searchr1",
+            f"data.train_path={toy['parquet']}", f"data.test_path={toy['parquet']}",
+            f"retrieval.corpus={toy['data'].corpus}", "eval.questions=14", "eval.every=1", "optim.total_steps=2"]
+    from tests.commands import run_main  # here: tests/eval_ranks.py imports this module with tests/ as its folder
 
-    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = run_main("fastcredit.train", args, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc
 

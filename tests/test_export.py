@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tests import forkserver
+from tests.commands import run_main, run_process
 
 from fastcredit.export import main
 from fastcredit.models.export import ExportError, export_checkpoint
@@ -27,13 +27,16 @@ IDS = torch.tensor([[5, 17, 230, 41, 599, 3, 77, 150, 2, 64, 311]])  # within th
 
 
 def train(out, *overrides, nproc=1):
-    """One debug step in a subprocess (torchrun with gloo for ``nproc`` > 1); the world beside ``out``."""
-    entry = ["-m", "fastcredit.train"] if nproc == 1 else \
-        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "fastcredit.train"]
-    cmd = [sys.executable, *entry, "--config", os.path.join(ROOT, "configs", "debug.yaml"),
-           f"logging.output_dir={out}", f"data.world_dir={out}/../world", *SMALL, *overrides]
-    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", **({"OMP_NUM_THREADS": "1"} if nproc > 1 else {})})
+    """One debug step (its ``main`` in this process; torchrun with gloo for ``nproc`` > 1); the world beside
+    ``out``."""
+    args = ["--config", os.path.join(ROOT, "configs", "debug.yaml"), f"logging.output_dir={out}",
+            f"data.world_dir={out}/../world", *SMALL, *overrides]
+    if nproc == 1:
+        proc = run_main("fastcredit.train", args, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    else:
+        proc = run_process([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                            "-m", "fastcredit.train", *args], timeout=600,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
@@ -324,7 +327,7 @@ def test_a_step_saved_again_is_exported_again(fsdp_run, tmp_path, monkeypatch, c
     def refuse(*args):
         raise ExportError("refused for the test")
 
-    monkeypatch.setattr(X, "_tokenizer_check", refuse)  # the new export fails after its weights are written
+    monkeypatch.setattr(X, "tokenizer_check", refuse)  # the new export fails after its weights are written
     with pytest.raises(ExportError, match="refused for the test"):
         resolve_model(str(run), None)
     got = weights(hf_model(folder))  # the earlier export is still there, whole

@@ -1,11 +1,10 @@
 """The main-job pipeline end to end on the debug config (toy world → files → oracle replay)."""
 import json
 import os
-import subprocess
-import sys
 
 from fastcredit.config import load_config
 from fastcredit.prepare import format_observation, run
+from tests.commands import run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,6 +29,5 @@ def test_pipeline_on_the_debug_config(tmp_path):
 
 
 def test_command_line_errors_name_the_key(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "fastcredit.prepare", "rollout.max_turn=2"],
-                         capture_output=True, text=True, cwd=ROOT)
+    out = run_main("fastcredit.prepare", ["rollout.max_turn=2"])
     assert out.returncode == 2 and "did you mean 'rollout.max_turns'" in out.stderr

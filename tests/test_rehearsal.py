@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from tests import forkserver
+from tests.commands import run_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALLEST = ["optim.total_steps=1", "optim.batch_prompts=2", "optim.mini_batch_prompts=2", "rollout.n_samples=2",
@@ -42,7 +42,7 @@ def test_one_rehearsal_step_on_two_ranks(tmp_path):
            f"logging.output_dir={run}", f"data.world_dir={tmp_path / 'world'}", f"model.policy={model}",
            f"judges.model={model}", *SMALLEST]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    proc = run_process(cmd, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
     with open(os.path.join(run, "metrics.jsonl")) as f:

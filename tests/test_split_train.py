@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from fastcredit.data.sampler import PromptSampler
-from tests import forkserver
+from tests.commands import run_main, run_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["data.toy.num_people=80", "data.toy.num_companies=20", "data.toy.num_questions=60", "eval.questions=4"]
@@ -37,9 +37,10 @@ def command(out, *overrides, launcher=TORCHRUN, entry=("-m", "fastcredit.train")
 
 
 def run(out, *overrides, launcher=TORCHRUN, resume=False):
-    proc = forkserver.run(command(out, *overrides, launcher=launcher) + (["--resume"] if resume else []),
-                          capture_output=True, text=True, timeout=600,
-                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    """The trainer under ``launcher`` (torchrun), or its ``main`` in this process for ``launcher=()``."""
+    cmd = command(out, *overrides, launcher=launcher) + (["--resume"] if resume else [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = run_process(cmd, timeout=600, env=env) if launcher else run_main("fastcredit.train", cmd[3:], env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -116,9 +117,8 @@ def launch_and_kill(out, victim: int, after_step: int, *overrides, resume: bool 
     ``after_step`` is on disk (tests/killed_run.py), and torchrun then stops the job; returns the job's output."""
     once = os.path.join(out, "checkpoints", f"step_{after_step:06d}")
     cmd = command(out, *overrides, entry=(os.path.join(ROOT, "tests", "killed_run.py"),))
-    proc = forkserver.run(cmd + (["--resume"] if resume else []), capture_output=True, text=True, timeout=600,
-                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "KILL_RANK": str(victim),
-                                         "KILL_ONCE_EXISTS": once})
+    proc = run_process(cmd + (["--resume"] if resume else []), timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "KILL_RANK": str(victim), "KILL_ONCE_EXISTS": once})
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0 and f"killed_run: rank {victim} SIGKILLed" in output, output[-3000:]
     return output

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests import forkserver
+from tests.commands import run_main, run_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["data.toy.num_people=80", "data.toy.num_companies=20", "data.toy.num_questions=60", "eval.questions=4"]
@@ -32,16 +32,20 @@ def _one_world(tmp_path_factory):
     WORLD.clear()
 
 
-def train(out, *overrides, resume=False, check=True, entry=("-m", "fastcredit.train"), env=None):
-    """The trainer on the debug config in a subprocess (``entry``: what python runs, e.g. a wrapper script)."""
-    cmd = [sys.executable, *entry, "--config", os.path.join(ROOT, "configs", "debug.yaml"),
-           f"logging.output_dir={out}", f"data.world_dir={WORLD['dir']}", *SMALL,
-           # one warm start for every run of the file that asks for one (the first run makes it)
-           f"warmstart.cache_dir={os.path.join(WORLD['dir'], 'warmstarts')}", *overrides]
+def train(out, *overrides, resume=False, check=True, entry=None, env=None):
+    """The trainer on the debug config: its ``main`` in this process, or ``python *entry`` as a process of its own
+    (``entry``: what python runs, e.g. a wrapper script or torchrun)."""
+    args = ["--config", os.path.join(ROOT, "configs", "debug.yaml"), f"logging.output_dir={out}",
+            f"data.world_dir={WORLD['dir']}", *SMALL,
+            # one warm start for every run of the file that asks for one (the first run makes it)
+            f"warmstart.cache_dir={os.path.join(WORLD['dir'], 'warmstarts')}", *overrides]
     if resume:
-        cmd.append("--resume")
-    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+        args.append("--resume")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    if entry is None:
+        proc = run_main("fastcredit.train", args, env=env)
+    else:
+        proc = run_process([sys.executable, *entry, *args], timeout=600, env=env)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

@@ -102,13 +102,13 @@ def save_checkpoint(root: str, step: int, models: dict, optimizers: dict, traine
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _write_latest(root, name)
+        write_latest(root, name)
         _prune(root, keep, name)
     barrier()
     return final
 
 
-def _write_latest(root: str, name: str) -> None:
+def write_latest(root: str, name: str) -> None:
     write_synced(os.path.join(root, LATEST), name + "\n")
 
 

@@ -33,6 +33,8 @@ import torch.distributed as dist
 
 
 EMULATE_NCCL_ENV = "FASTCREDIT_EMULATE_NCCL"
+# whether this process has made a process group (torchrun's, or the one-process one): see exit_process
+_GROUP = {"made": False}
 
 
 def emulating_nccl() -> bool:
@@ -99,6 +101,7 @@ def init_distributed(backend: str = "auto", shard_size: int = -1) -> DistInfo:
     backend = backend_for(device.type, backend)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+        _GROUP["made"] = True
     from torch.distributed.device_mesh import init_device_mesh
 
     dev_type = "cuda" if cuda else "cpu"
@@ -122,6 +125,7 @@ def one_process_group(info: DistInfo) -> DistInfo:
         return info
     if not dist.is_initialized():
         dist.init_process_group(backend_for(info.device.type), store=dist.HashStore(), rank=0, world_size=1)
+        _GROUP["made"] = True
     os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
     if info.mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -130,18 +134,27 @@ def one_process_group(info: DistInfo) -> DistInfo:
     return info
 
 
-def shutdown(info: DistInfo, code: int = 0) -> None:
-    """Destroy the process group and leave at once.
-
-    NOTE: gloo's worker threads race the interpreter's shutdown and abort 10-20% of CPU
-    runs after all work is done; ``os._exit`` right after the destroy avoids it.
-    """
-    if dist.is_initialized():  # torchrun's group, or the one-process group FSDP2 and DeepSpeed need
+def shutdown(info: DistInfo, code: int = 0) -> int:
+    """Destroy the process group, where there is one (torchrun's, or the one-process group FSDP2 and DeepSpeed
+    need), after a barrier; returns ``code``. The command's ``__main__`` then leaves by :func:`exit_process`."""
+    if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    return code
+
+
+def exit_process(code: Optional[int]) -> None:
+    """Leave the process with exit status ``code`` (a command's ``__main__``: ``exit_process(main())``).
+
+    NOTE: gloo's worker threads race the interpreter's shutdown and abort 10-20% of CPU runs after all work is
+    done, even once the group is destroyed; a process that made a group leaves by ``os._exit`` (its streams
+    flushed), skipping that shutdown. Any other process exits as ``sys.exit`` does.
+    """
+    if _GROUP["made"]:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        os._exit(0 if code is None else code)
+    sys.exit(code)
 
 
 @contextlib.contextmanager

@@ -80,7 +80,7 @@ def build_policy(run_dir: str):
 PROBE = 'Doc 1(Title: "Zoë Ödön") was born in 1987.\n\n<search> who founded it? </search> <answer>x</answer>'
 
 
-def _tokenizer_check(folder: str, tokenizer, out_dir: str) -> Optional[str]:
+def tokenizer_check(folder: str, tokenizer, out_dir: str) -> Optional[str]:
     """None when ``AutoTokenizer`` reads ``folder`` (written for ``out_dir``) as the run tokenized; else a note
     saying how to load it. Raises ExportError when even :func:`load_tokenizer` does not."""
     from transformers import AutoTokenizer
@@ -120,7 +120,7 @@ def _write(lm, tokenizer, out_dir: str, dtype: torch.dtype, max_shard_size: str,
            source: dict) -> tuple[list[str], Optional[str]]:
     """Save into a sibling folder, check its tokenizer, write ``source`` (:data:`SOURCE`) last, then move it into
     place: an interrupted or refused export leaves no half-written ``out_dir`` and an earlier export intact.
-    Returns the files and the tokenizer's note (:func:`_tokenizer_check`)."""
+    Returns the files and the tokenizer's note (:func:`tokenizer_check`)."""
     out = os.path.normpath(out_dir)
     tmp = f"{out}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -128,7 +128,7 @@ def _write(lm, tokenizer, out_dir: str, dtype: torch.dtype, max_shard_size: str,
     try:
         lm.to(dtype).save_pretrained(tmp, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(tmp)
-        note = _tokenizer_check(tmp, tokenizer, out)
+        note = tokenizer_check(tmp, tokenizer, out)
         with open(os.path.join(tmp, SOURCE), "w") as f:
             json.dump(source, f, indent=1)
         _swap_in(tmp, out)  # empty, or an earlier export that _check_out let --force replace

@@ -135,10 +135,15 @@ def packed_attention_impl(current: Optional[str], device: torch.device, dtype: t
     return "flash_attention_2" if _flash_attn_usable(device, dtype) else VARLEN
 
 
+def attention_impl(lm: nn.Module) -> Optional[str]:
+    """The name of the attention implementation ``lm``'s layers call (its config's ``_attn_implementation``)."""
+    return lm.config._attn_implementation
+
+
 def use_packed_attention(lm: nn.Module, device: torch.device, dtype: torch.dtype) -> str:
     """Set ``lm``'s attention to :func:`packed_attention_impl` (a no-op once set) and return its name."""
     register()
-    current = lm.config._attn_implementation
+    current = attention_impl(lm)
     impl = packed_attention_impl(current, device, dtype)
     if impl != current:
         if hasattr(lm, "set_attn_implementation"):

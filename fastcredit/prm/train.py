@@ -434,4 +434,6 @@ def _train(cfg, info, train_rows, test_rows, resume: bool) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fastcredit.distributed.process_group import exit_process
+
+    exit_process(main())

@@ -4,8 +4,6 @@ import hashlib
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from collections import defaultdict
 
@@ -19,6 +17,7 @@ from fastcredit.data.prompts import build_prompt
 from fastcredit.data.toyqa import QUESTIONS, RELATIONS, fact_recall, gold_fact_passages, hops_found, parse_facts
 from fastcredit.data.toyworld import ToyWorldConfig, generate_world, load_world, write_world
 from fastcredit.credit.rewards import exact_match, normalize_answer
+from tests.commands import run_main
 
 SMALL = dict(num_people=60, num_cities=15, num_countries=5, num_universities=6, num_companies=20, num_bands=10,
              num_questions=80)
@@ -260,12 +259,12 @@ def test_bad_configs_are_refused(overrides, message):
 
 
 def test_cli(tmp_path):
-    cmd = [sys.executable, "-m", "fastcredit.data.toyworld", "--out", str(tmp_path / "w"), "--seed", "2",
-           "--num-people", "50", "--num-companies", "10", "--num-questions", "40", "--test-fraction", "0.25"]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = ["--out", str(tmp_path / "w"), "--seed", "2", "--num-people", "50", "--num-companies", "10",
+           "--num-questions", "40", "--test-fraction", "0.25"]
+    out = run_main("fastcredit.data.toyworld", cmd)
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout)
     assert (summary["questions"], summary["test"], summary["seed"]) == (40, 10, 2)
     assert sorted(os.listdir(tmp_path / "w")) == FILES
-    out = subprocess.run(cmd + ["--max-hops", "5"], capture_output=True, text=True)
+    out = run_main("fastcredit.data.toyworld", cmd + ["--max-hops", "5"])
     assert out.returncode == 2 and "max_hops must lie in [1, 3]" in out.stderr

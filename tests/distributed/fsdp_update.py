@@ -25,7 +25,7 @@ from fastcredit.config import OptimConfig
 from fastcredit.credit import CreditInputs, compute_advantages
 from fastcredit.config.credit import CreditConfig
 from fastcredit.distributed.fsdp import FSDP2Engine, wrap_fsdp2
-from fastcredit.distributed.process_group import all_reduce_sum, init_distributed, shutdown
+from fastcredit.distributed.process_group import all_reduce_sum, exit_process, init_distributed, shutdown
 from fastcredit.config.loss import LossConfig
 from fastcredit.rollout.trajectory import Turn, from_turns, select
 
@@ -56,7 +56,8 @@ def whole_batch():
     return batch, prompts, reward
 
 
-def main(out: str) -> None:
+def main(argv: list) -> int:
+    out = argv[0]
     info = init_distributed("gloo")
     lm = tiny_lm()
     batch, prompts, reward = whole_batch()
@@ -76,6 +77,7 @@ def main(out: str) -> None:
     if info.is_main:
         torch.save({"params": params, "metrics": m}, out)
     shutdown(info)
+    return 0
 
 
 def _sgd(params):
@@ -107,4 +109,4 @@ def _max_over(n: int) -> int:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    exit_process(main(sys.argv[1:]))

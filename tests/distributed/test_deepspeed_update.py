@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tests import forkserver
+from tests.commands import run_main, run_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "fsdp_update.py")
@@ -20,14 +20,16 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "EPOCHS": "2"}
 
 
 def _run(cmd, env):
-    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    """``cmd``: the script's argv (its ``main`` in this process, on one process) or a torchrun's command line."""
+    proc = run_process(cmd, timeout=600, env=env) if cmd[0] == sys.executable else \
+        run_main("tests.distributed.fsdp_update", cmd, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference") / "one.pt"
-    _run([sys.executable, SCRIPT, str(out)], ENV)
+    _run([str(out)], ENV)
     return torch.load(out)
 
 

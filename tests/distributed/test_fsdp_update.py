@@ -5,14 +5,16 @@ import sys
 import pytest
 import torch
 
-from tests import forkserver
+from tests.commands import run_main, run_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "fsdp_update.py")
 
 
 def _run(cmd, env):
-    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    """``cmd``: the script's argv (its ``main`` in this process, on one process) or a torchrun's command line."""
+    proc = run_process(cmd, timeout=600, env=env) if cmd[0] == sys.executable else \
+        run_main("tests.distributed.fsdp_update", cmd, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
@@ -20,7 +22,7 @@ def _run(cmd, env):
 def test_two_fsdp2_ranks_match_one_process(tmp_path, agg):
     env = {**os.environ, "AGG": agg, "OMP_NUM_THREADS": "1"}
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    _run([sys.executable, SCRIPT, str(one)], env)
+    _run([str(one)], env)
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT, str(two)], env)
     a, b = torch.load(one), torch.load(two)
     for k in a["params"]:

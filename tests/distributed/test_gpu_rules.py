@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fastcredit.distributed import process_group as pg
-from tests import forkserver
+from tests.commands import run_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "gpu_rules.py")
@@ -28,8 +28,8 @@ def result(tmp_path_factory):
     folder = save_tiny_policy(build_tiny_policy(tok, hidden=32, layers=2, heads=2, seed=4), tok, str(tmp / "policy"))
     out = tmp / "out.json"
     env = {**os.environ, pg.EMULATE_NCCL_ENV: "1", "OMP_NUM_THREADS": "1"}
-    proc = forkserver.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           SCRIPT, str(out), folder], capture_output=True, text=True, timeout=600, env=env)
+    proc = run_process([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        SCRIPT, str(out), folder], timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests import forkserver
+from tests.commands import run_main, run_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -38,8 +38,8 @@ def two_nodes(tmp_path_factory):
     """Two steps on two nodes: (run folder, toy world folder, the launcher's process, each node's output)."""
     base = tmp_path_factory.mktemp("multinode")
     out, world, logs = str(base / "run"), str(base / "world"), str(base / "logs")
-    proc = forkserver.run([sys.executable, LAUNCH, logs, "-m", "fastcredit.train", *train_args(out, world)],
-                          capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT, env={**os.environ, **ENV})
+    proc = run_process([sys.executable, LAUNCH, logs, "-m", "fastcredit.train", *train_args(out, world)],
+                       timeout=TIMEOUT_S, env={**os.environ, **ENV})
     node_logs = []
     for n in (0, 1):
         with open(os.path.join(logs, f"node{n}.log"), encoding="utf-8", errors="replace") as f:
@@ -71,9 +71,8 @@ def test_one_process_resumes_the_two_node_checkpoint(two_nodes, tmp_path):
         pytest.skip("the two-node run failed (test_two_nodes_train_two_steps_into_one_run_folder says why)")
     out = str(tmp_path / "resumed")  # a copy: the module's run stays as the two nodes left it
     shutil.copytree(src, out)
-    resumed = forkserver.run([sys.executable, "-m", "fastcredit.train", *train_args(out, world), "optim.total_steps=3",
-                              "--resume"], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT,
-                             env={**os.environ, **ENV})
+    resumed = run_main("fastcredit.train", [*train_args(out, world), "optim.total_steps=3", "--resume"],
+                       env={**os.environ, **ENV})
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "· 1 process(es) on cpu" in resumed.stdout
     step2 = os.path.join(out, "checkpoints", "step_000002")

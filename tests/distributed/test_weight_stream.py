@@ -6,15 +6,14 @@ import sys
 
 import torch
 
-from tests import forkserver
+from tests.commands import run_process
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weight_stream_ranks.py")
 
 
 def test_weights_stream_to_every_rank_and_a_failed_sender_stops_them(tmp_path):
-    proc = forkserver.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
-                           SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_process([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+                        SCRIPT, str(tmp_path)], timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     sender = torch.load(tmp_path / "rank0.pt")
     assert sender["sender_error"] == "the trainer's shard gather failed"

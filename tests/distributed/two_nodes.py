@@ -10,8 +10,6 @@ rendezvous numbers the nodes (``--node-rank`` is for the static one), so either 
 Prints ``{"node0": status, "node1": status, "stopped": bool}`` and exits 0 when both agents exit 0, else 1. An
 agent still running ``DEADLINE_S`` (default 240) after the start, or ``GRACE_S`` (20) after the other one failed,
 is stopped: SIGTERM (torchrun passes it on to its rank), then SIGKILL to its process group.
-
-Under the tests' fork server (tests/forkserver.py) both agents and their ranks are forked warm (tests/zygote.py).
 """
 import json
 import os

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from fastcredit.distributed.process_group import init_distributed, shutdown
+from fastcredit.distributed.process_group import exit_process, init_distributed, shutdown
 from fastcredit.distributed.weight_stream import WeightStreamError, recv_weights, send_weights
 from fastcredit.rollout.engines.hf import HFEngine
 
@@ -78,3 +78,4 @@ def main(out):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_process(0)

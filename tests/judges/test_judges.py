@@ -149,7 +149,7 @@ def test_http_backend_retries_and_gives_up(unused_port=None):
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        port = runner.addresses[0][1]
         backend = HTTPBackend(f"http://127.0.0.1:{port}/v1", "m", timeout_s=0.5, retries=1, backoff_s=0.01)
         out = await backend.complete([JudgeRequest("fast", "criticsearch"), JudgeRequest("slow", "criticsearch")])
         await runner.cleanup()

@@ -107,7 +107,7 @@ def test_packed_logprobs_and_entropies_equal_padded(kv_heads):
     with torch.no_grad():
         want_lp, want_ent = _logp_entropy(_padded(ref, prompts, batch)[1], batch.tokens_N.long())
         lp, ent = PolicyModel(lm, "torch")(model_inputs(prompts, batch, "cpu"))
-    assert lm.config._attn_implementation == varlen.VARLEN and ref.config._attn_implementation == "sdpa"
+    assert varlen.attention_impl(lm) == varlen.VARLEN and varlen.attention_impl(ref) == "sdpa"
     torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=0)
 
@@ -147,9 +147,12 @@ def test_packed_gradients_equal_padded(checkpointing, monkeypatch):
         return varlen.varlen_attention_forward(*a, **kw)
 
     varlen.register()
-    monkeypatch.setitem(AttentionInterface._global_mapping, varlen.VARLEN, spy)
-    lp, ent = PolicyModel(lm, "torch")(model_inputs(prompts, batch, "cpu"))
-    ((lp * w).sum() + 0.1 * ent.sum()).backward()
+    AttentionInterface.register(varlen.VARLEN, spy)
+    try:  # the backward too: checkpointing's recompute calls the attention again
+        lp, ent = PolicyModel(lm, "torch")(model_inputs(prompts, batch, "cpu"))
+        ((lp * w).sum() + 0.1 * ent.sum()).backward()
+    finally:
+        AttentionInterface.register(varlen.VARLEN, varlen.varlen_attention_forward)
     # every layer, in the forward and (checkpointing) again in the backward's recompute
     assert seen == [True] * (2 if checkpointing else 1) * lm.config.num_hidden_layers
     got = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in lm.named_parameters()}
@@ -192,7 +195,7 @@ def test_a_model_set_to_varlen_still_runs_padded_and_generates_like_sdpa():
     batch, prompts = _batch((5, 9), (3, 6))
     with torch.no_grad():
         PolicyModel(lm, "torch")(model_inputs(prompts, batch, "cpu"))
-        assert lm.config._attn_implementation == varlen.VARLEN
+        assert varlen.attention_impl(lm) == varlen.VARLEN
         torch.testing.assert_close(_padded(lm, prompts, batch)[1], _padded(ref, prompts, batch)[1], atol=1e-5, rtol=0)
         ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
         mask = (ids != 0).long()
@@ -228,7 +231,7 @@ def test_packed_equals_padded_on_a_gpu(flash):
         x = model_inputs(prompts, batch, "cuda")
         lp, ent = PolicyModel(lm, "torch")(x)
         want_lp, want_ent = _logp_entropy(_padded(ref, prompts, batch)[1], x.target_N)
-    assert lm.config._attn_implementation == ("flash_attention_2" if flash else varlen.VARLEN)
+    assert varlen.attention_impl(lm) == ("flash_attention_2" if flash else varlen.VARLEN)
     if flash:  # bf16 hidden states: rounding differs between the kernels, a wrong mask would not be this close
         assert float((lp - want_lp).abs().mean()) < 2e-2 and float((ent - want_ent).abs().mean()) < 2e-2
         torch.testing.assert_close(lp, want_lp, atol=0.15, rtol=0)

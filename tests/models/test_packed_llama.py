@@ -72,7 +72,7 @@ def test_llama_packed_logprobs_and_values_equal_padded():
         torch.nn.init.normal_(value.value_head.weight, std=0.5)
         want_v = value.value_head(_padded_hidden(ref, prompts, batch)).squeeze(-1)
         got_v = value(model_inputs(prompts, batch, "cpu"))
-    assert lm.config._attn_implementation == varlen.VARLEN
+    assert varlen.attention_impl(lm) == varlen.VARLEN
     torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=0)
     torch.testing.assert_close(got_v, want_v, atol=1e-5, rtol=0)

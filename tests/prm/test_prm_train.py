@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests import forkserver
+from tests.commands import run_main, run_process
 
 from fastcredit.config import load_config
 from fastcredit.config.ranges import field_ranges, numeric_keys
@@ -215,28 +215,31 @@ def toy_labelled_trajectories(folder: str) -> tuple[str, str]:
 # Kills the run (SIGKILL, as a crash would) inside its KILL_AT_SAVE-th checkpoint, before `latest` moves.
 KILLER = """import os, signal, sys
 import fastcredit.distributed.checkpoint as checkpoint
+from fastcredit.distributed.process_group import exit_process
 from fastcredit.prm.train import main
-calls, write_latest = [0], checkpoint._write_latest
+calls, write_latest = [0], checkpoint.write_latest
 def die_at_nth(root, name):
     calls[0] += 1
     if calls[0] == int(os.environ["KILL_AT_SAVE"]):
         os.kill(os.getpid(), signal.SIGKILL)
     write_latest(root, name)
-checkpoint._write_latest = die_at_nth
-sys.exit(main(sys.argv[1:]))
+checkpoint.write_latest = die_at_nth
+exit_process(main(sys.argv[1:]))
 """
 
 
-def train(data, out, *extra, entry=("-m", "fastcredit.prm.train"), env=None, check=True, resume=False):
-    cmd = [sys.executable, *entry, *(["--resume"] if resume else []),
-           "--config", os.path.join(ROOT, "configs", "prm.yaml"),
-           f"data.train_path={data[0]}", f"data.test_path={data[1]}", f"logging.output_dir={out}",
-           "optim.micro_batch_tokens=1024", "logging.checkpoint_every=10", "logging.progress=false", *extra]
-    # one torch thread in every run, forked from the warm server or started cold (a killer script): the runs'
-    # numbers are compared to 1e-6, and float sums follow the thread count (two threads here by default outside
-    # `make test`'s workers, where a forked child and a cold process did not sum alike)
-    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})})
+def train(data, out, *extra, entry=None, env=None, check=True, resume=False):
+    """The PRM trainer: its ``main`` in this process, or ``python *entry`` as a process (a killer script, torchrun)."""
+    args = [*(["--resume"] if resume else []), "--config", os.path.join(ROOT, "configs", "prm.yaml"),
+            f"data.train_path={data[0]}", f"data.test_path={data[1]}", f"logging.output_dir={out}",
+            "optim.micro_batch_tokens=1024", "logging.checkpoint_every=10", "logging.progress=false", *extra]
+    # one torch thread in every run, in this process or a killer's: the runs' numbers are compared to 1e-6, and
+    # float sums follow the thread count
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    if entry is None:
+        proc = run_main("fastcredit.prm.train", args, env=env)
+    else:
+        proc = run_process([sys.executable, *entry, *args], timeout=600, env=env)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -361,12 +364,11 @@ def test_pica_trains_with_the_learned_prm(trained, tmp_path):
     """The RL trainer with judges.prm = the exported PRM: two PiCA steps on the toy world, its f in the step
     rewards (the PRM's own tokenizer reads the policy's text)."""
     out = str(tmp_path / "pica")
-    cmd = [sys.executable, "-m", "fastcredit.train", "--config", os.path.join(ROOT, "configs", "debug.yaml"),
-           f"logging.output_dir={out}", f"data.world_dir={tmp_path}/world", "data.toy.num_people=80",
-           "data.toy.num_companies=20", "data.toy.num_questions=60", "eval.questions=0", "credit.estimator=pica",
-           f"judges.prm={os.path.join(trained[0], 'export')}"]
-    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    args = ["--config", os.path.join(ROOT, "configs", "debug.yaml"), f"logging.output_dir={out}",
+            f"data.world_dir={tmp_path}/world", "data.toy.num_people=80", "data.toy.num_companies=20",
+            "data.toy.num_questions=60", "eval.questions=0", "credit.estimator=pica",
+            f"judges.prm={os.path.join(trained[0], 'export')}"]
+    proc = run_main("fastcredit.train", args, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "reward" in r]
     assert [r["step"] for r in rows] == [1, 2]

@@ -16,7 +16,7 @@ import torch
 
 from fastcredit.retrieval.exact import exact_scores, load_index_shard, rank_rows, sort_ties
 from fastcredit.retrieval.indexes import FaissIndex, build_faiss_index, shard_bounds, write_index
-from tests import forkserver
+from tests.commands import run_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "cross_rank.py")
@@ -87,7 +87,7 @@ def _launch(data, which, tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT, str(data),
            str(out), which]
-    proc = forkserver.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    proc = run_process(cmd, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return [json.load(open(out / f"rank{r}.json")) for r in range(2)]
 

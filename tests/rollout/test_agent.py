@@ -1,7 +1,6 @@
 """The agent loop's state machine with a scripted engine and searcher: turn kinds, limits,
 observations never trained on, async vs lockstep, batching, and ProCeed rewinds."""
 import asyncio
-import dataclasses
 
 import pytest
 import torch
@@ -29,8 +28,8 @@ class ScriptedEngine:
     Records the size of every batch it was asked to generate.
     """
 
-    def __init__(self, tokenizer, script):
-        self.tokenizer, self.script, self.batches = tokenizer, script, []
+    def __init__(self, tokenizer, script, version=None):
+        self.tokenizer, self.script, self.batches, self.version = tokenizer, script, [], version
 
     def _one(self, prompt, params: SamplingParams) -> GenOutput:
         text = self.tokenizer.decode(prompt, skip_special_tokens=False)
@@ -39,7 +38,8 @@ class ScriptedEngine:
         stop = next((s for s in params.stop if action.endswith(s)), None)
         if len(ids) > params.max_tokens:
             ids, stop = ids[: params.max_tokens], None
-        return GenOutput(ids, [-0.5] * len(ids) if params.logprobs else None, "stop" if stop else "length", stop)
+        return GenOutput(ids, [-0.5] * len(ids) if params.logprobs else None, "stop" if stop else "length", stop,
+                         version=self.version)
 
     def generate(self, prompts, params):
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -308,8 +308,7 @@ def test_every_turn_records_the_version_of_the_weights_that_wrote_it(tok):
     """Turns carry the engine's weights_version (seg_version_S); a ProCeed refinement (the critic's text, no
     version of its own) belongs to the rollout of the turn it replaces."""
     agent, engine, _ = loop(tok, search_then_answer)
-    one = engine._one
-    engine._one = lambda p, q: dataclasses.replace(one(p, q), version=7)
+    engine.version = 7  # the weights it samples with
     assert agent.run(prompts(tok, 2), group_id=[0, 0]).batch.seg_version_S.tolist() == [7, 7, 7, 7]
     engine.script = lambda text, turn: ("<search>where was Ada born</search>" if text.startswith("Refine")
                                         else "<search>bad</search>" if turn == 0 else "<answer>Paris</answer>")

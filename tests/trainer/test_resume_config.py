@@ -1,13 +1,12 @@
 """``--resume`` refuses a run whose saved config differs in a key that changes its results, naming the key; keys
 that only extend or observe a run may change."""
 import os
-import subprocess
-import sys
 
 import pytest
 
 from fastcredit.config import ConfigError, load_config, save_config
 from fastcredit.trainer.checks import check_resume
+from tests.commands import run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEBUG = os.path.join(ROOT, "configs", "debug.yaml")
@@ -36,9 +35,8 @@ def test_extending_and_observing_keys_may_change(tmp_path):
 
 def test_the_training_command_refuses_before_anything_starts(tmp_path):
     saved_run(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "fastcredit.train", "--config", DEBUG, "--resume",
-                           f"logging.output_dir={tmp_path}", "rollout.n_samples=4"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = run_main("fastcredit.train", ["--config", DEBUG, "--resume", f"logging.output_dir={tmp_path}",
+                                         "rollout.n_samples=4"])
     assert proc.returncode == 2 and "rollout.n_samples: 2 → 4" in proc.stderr, proc.stderr[-2000:]
     assert sorted(os.listdir(tmp_path)) == ["config.yaml"]  # nothing built, nothing moved
     assert load_config(str(tmp_path / "config.yaml")).rollout.n_samples == 2  # the saved config is kept
