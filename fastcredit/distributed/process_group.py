@@ -33,8 +33,9 @@ import torch.distributed as dist
 
 
 EMULATE_NCCL_ENV = "FASTCREDIT_EMULATE_NCCL"
-# whether this process has made a process group (torchrun's, or the one-process one): see exit_process
-_GROUP = {"made": False}
+# made: the process group now up is one this module made (torchrun's, or the one-process one), so shutdown ends it;
+# held: this process has had a group (ours, or one a library made, as vLLM does on one process): see exit_process
+_GROUP = {"made": False, "held": False}
 
 
 def emulating_nccl() -> bool:
@@ -101,7 +102,7 @@ def init_distributed(backend: str = "auto", shard_size: int = -1) -> DistInfo:
     backend = backend_for(device.type, backend)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
-        _GROUP["made"] = True
+        _GROUP.update(made=True, held=True)
     from torch.distributed.device_mesh import init_device_mesh
 
     dev_type = "cuda" if cuda else "cpu"
@@ -125,7 +126,7 @@ def one_process_group(info: DistInfo) -> DistInfo:
         return info
     if not dist.is_initialized():
         dist.init_process_group(backend_for(info.device.type), store=dist.HashStore(), rank=0, world_size=1)
-        _GROUP["made"] = True
+        _GROUP.update(made=True, held=True)
     os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
     if info.mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -135,11 +136,15 @@ def one_process_group(info: DistInfo) -> DistInfo:
 
 
 def shutdown(info: DistInfo, code: int = 0) -> int:
-    """Destroy the process group, where there is one (torchrun's, or the one-process group FSDP2 and DeepSpeed
-    need), after a barrier; returns ``code``. The command's ``__main__`` then leaves by :func:`exit_process`."""
+    """End the process group this module made (torchrun's, or the one-process group FSDP2 and DeepSpeed need), after
+    a barrier; returns ``code``. A group made by someone else (vLLM's, on one process; a caller's) is theirs to end:
+    left up. The command's ``__main__`` then leaves by :func:`exit_process`."""
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        _GROUP["held"] = True
+        if _GROUP["made"]:
+            dist.destroy_process_group()
+            _GROUP["made"] = False
     return code
 
 
@@ -147,10 +152,10 @@ def exit_process(code: Optional[int]) -> None:
     """Leave the process with exit status ``code`` (a command's ``__main__``: ``exit_process(main())``).
 
     NOTE: gloo's worker threads race the interpreter's shutdown and abort 10-20% of CPU runs after all work is
-    done, even once the group is destroyed; a process that made a group leaves by ``os._exit`` (its streams
+    done, even once the group is destroyed; a process that has had a group leaves by ``os._exit`` (its streams
     flushed), skipping that shutdown. Any other process exits as ``sys.exit`` does.
     """
-    if _GROUP["made"]:
+    if _GROUP["held"] or dist.is_initialized():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0 if code is None else code)
