@@ -35,29 +35,37 @@ settings.load_profile("ci")
 
 
 # The files that take longest on a 2-core CI run, longest first (per-file sums of `--durations` times; the figures
-# of 2026-11-28 in seconds beside them). `make test` hands whole files to its two workers in this order (xdist's
-# --no-loadscope-reorder: its default reorders files by their number of tests), longest first, so that no long file
-# starts last while the other worker sits idle: the two workers end within a file of each other. Order only: a file
-# missing here runs after these, in its usual place.
+# of 2026-11-28, at e48b274, in seconds beside them). `make test` hands whole files to its two workers in this order
+# (xdist's --no-loadscope-reorder: its default reorders files by their number of tests), longest first, so that no
+# long file starts last while the other worker sits idle: the two workers end within a file of each other. Order
+# only: a file missing here runs after these, in its usual place.
 LONGEST_FIRST = (
-    "tests/test_train.py",                         # 177
-    "tests/test_split_train.py",                   # 109
-    "tests/test_gpu_check.py",                     # 97
-    "tests/prm/test_prm_train.py",                 # 71
-    "tests/test_compare.py",                       # 65
-    "tests/retrieval/test_server_soak.py",         # 43
-    "tests/test_export.py",                        # 39
-    "tests/test_eval.py",                          # 28
-    "tests/distributed/test_multinode.py",         # 26
-    "tests/runtime/test_torch_profile.py",         # 23
-    "tests/kernels/test_turn_surrogate.py",        # 19
-    "tests/distributed/test_deepspeed_update.py",  # 16
-    "tests/rollout/test_llama_vllm.py",            # 15
-    "tests/trainer/test_sft.py",                   # 15
-    "tests/kernels/test_aot_compile.py",           # 14
-    "tests/retrieval/test_csrc_compiles.py",       # 14
-    "tests/kernels/test_linear_logprob_variants.py",  # 13
-    "tests/test_layout.py",                        # 12
+    "tests/test_train.py",                            # 187
+    "tests/test_split_train.py",                      # 134
+    "tests/test_compare.py",                          # 99
+    "tests/test_gpu_check.py",                        # 89
+    "tests/prm/test_prm_train.py",                    # 76
+    "tests/test_eval.py",                             # 49
+    "tests/retrieval/test_server_soak.py",            # 42
+    "tests/distributed/test_fsdp_update.py",          # 34
+    "tests/distributed/test_deepspeed_update.py",     # 34
+    "tests/test_bench_step.py",                       # 33
+    "tests/test_export.py",                           # 30
+    "tests/retrieval/test_cross_rank.py",             # 30
+    "tests/distributed/test_multinode.py",            # 24
+    "tests/distributed/test_weight_stream.py",        # 19
+    "tests/trainer/test_sft.py",                      # 16
+    "tests/kernels/test_linear_logprob_variants.py",  # 16
+    "tests/runtime/test_torch_profile.py",            # 14
+    "tests/distributed/test_gpu_rules.py",            # 13
+    "tests/kernels/test_aot_compile.py",              # 13
+    "tests/kernels/test_turn_surrogate.py",           # 13
+    "tests/kernels/test_turn_surrogate_variants.py",  # 12
+    "tests/rollout/test_vllm_engine.py",              # 11
+    "tests/test_layout.py",                           # 11
+    "tests/credit/test_vectorised_vs_reference.py",   # 11
+    "tests/kernels/test_linear_logprob.py",           # 11
+    "tests/retrieval/test_csrc_compiles.py",          # 10
 )
 
 

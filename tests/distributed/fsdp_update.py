@@ -7,7 +7,9 @@
 Writes the updated parameters (full tensors, rank 0) and the update's metrics to OUT.pt.
 The batch is 8 trajectories in 4 groups of 2, ranks take whole groups; the loss uses the
 global counts, so every run must produce the same parameters. ``EPOCHS`` (default 1) PPO
-epochs over the batch are as many optimizer steps.
+epochs over the batch are as many optimizer steps. ``AGG`` (default turn-mean): the loss's
+aggregation; a comma-separated list runs one update from the same start for each, and OUT.pt then
+maps each to its parameters and metrics.
 
 ``ENGINE=deepspeed`` trains through DeepSpeed ZeRO stage ``ZERO`` (default 3) with every
 parameter partitioned (persistence threshold 0, so the LM head really is gathered as an
@@ -59,13 +61,23 @@ def whole_batch():
 def main(argv: list) -> int:
     out = argv[0]
     info = init_distributed("gloo")
+    aggs = os.environ.get("AGG", "turn-mean").split(",")
+    runs = {agg: update(info, agg) for agg in aggs}
+    if info.is_main:
+        torch.save(runs[aggs[0]] if len(aggs) == 1 else runs, out)
+    shutdown(info)
+    return 0
+
+
+def update(info, agg: str) -> dict:
+    """One update of the tiny policy from its seeded start: the full parameters and the update's metrics."""
     lm = tiny_lm()
     batch, prompts, reward = whole_batch()
     if info.distributed:  # rank r takes groups 2r, 2r+1 (trajectories 4r..4r+3)
         idx = torch.arange(4 * info.rank, 4 * info.rank + 4)
         batch, prompts, reward = select(batch, idx), [prompts[i] for i in idx], reward[idx]
     policy = _engine(PolicyModel(lm), info, os.environ.get("ENGINE", "fsdp2"))
-    cfg_loss = LossConfig(agg_mode=os.environ.get("AGG", "turn-mean"), kl_coef=0.0)
+    cfg_loss = LossConfig(agg_mode=agg, kl_coef=0.0)
     max_over = (lambda n: n) if not info.distributed else _max_over
     old, _ = forward_logprobs(policy, prompts, batch, "cpu", 24, max_over_ranks=max_over)
     credit = compute_advantages("grpo", CreditInputs.from_batch(batch, reward), CreditConfig())
@@ -73,11 +85,7 @@ def main(argv: list) -> int:
     m = ppo_update(policy, UpdateData(prompts, batch, credit, old), cfg_loss, optim, "cpu",
                    dp_size=info.world_size, reduce=lambda t: all_reduce_sum(t, info), max_over_ranks=max_over,
                    groups_per_mini=4 // info.world_size)  # the whole batch is one mini-batch
-    params = {k: v.clone() for k, v in policy.full_state()}
-    if info.is_main:
-        torch.save({"params": params, "metrics": m}, out)
-    shutdown(info)
-    return 0
+    return {"params": {k: v.clone() for k, v in policy.full_state()}, "metrics": m}
 
 
 def _sgd(params):

@@ -18,13 +18,23 @@ def _run(cmd, env):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
-@pytest.mark.parametrize("agg", ["turn-mean", "seq-mean-token-mean"])
-def test_two_fsdp2_ranks_match_one_process(tmp_path, agg):
-    env = {**os.environ, "AGG": agg, "OMP_NUM_THREADS": "1"}
-    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+AGGS = ("turn-mean", "seq-mean-token-mean")
+
+
+@pytest.fixture(scope="module")
+def updates(tmp_path_factory):
+    """Each aggregation's update on one process and on two FSDP2 ranks (one run each, every aggregation in it)."""
+    tmp = tmp_path_factory.mktemp("fsdp_update")
+    env = {**os.environ, "AGG": ",".join(AGGS), "OMP_NUM_THREADS": "1"}
+    one, two = tmp / "one.pt", tmp / "two.pt"
     _run([str(one)], env)
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT, str(two)], env)
-    a, b = torch.load(one), torch.load(two)
+    return torch.load(one), torch.load(two)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_two_fsdp2_ranks_match_one_process(updates, agg):
+    a, b = updates[0][agg], updates[1][agg]
     for k in a["params"]:
         torch.testing.assert_close(b["params"][k], a["params"][k], rtol=0, atol=1e-6, msg=k)
     for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
