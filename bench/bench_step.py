@@ -171,7 +171,7 @@ def run_design(name: str, config: str, overrides: list[str], work: str, steps: i
     from fastcredit.config import load_config
     from fastcredit.distributed.process_group import init_distributed, shutdown
     from fastcredit.trainer.checks import check_run
-    from fastcredit.trainer.loop import Trainer
+    from fastcredit.train import colocated_trainer
 
     out = os.path.join(work, name)
     paths = [config] + ([DESIGN] if name == "searchr1_design" else [])
@@ -182,8 +182,8 @@ def run_design(name: str, config: str, overrides: list[str], work: str, steps: i
           f"loss.impl={cfg.loss.impl}, optim.lr={cfg.optim.lr:g}", flush=True)
     check_run(cfg)  # the training command's checks, before anything loads
     info = init_distributed(cfg.distributed.backend, cfg.distributed.shard_size)
-    trainer = Trainer(cfg, info)
-    start = weights_digest(trainer.parts.policy)
+    trainer = colocated_trainer(cfg, info)
+    start = weights_digest(trainer.parts.training.policy)
     _reset_peak()
     t0 = time.perf_counter()
     try:
@@ -192,7 +192,7 @@ def run_design(name: str, config: str, overrides: list[str], work: str, steps: i
         trainer.logger.close()
     wall = time.perf_counter() - t0
     peak = _peak_gib()
-    end = weights_digest(trainer.parts.policy)
+    end = weights_digest(trainer.parts.training.policy)
     from fastcredit.runtime.threads import process_threads, python_threads
 
     # what runs beside the main thread once the steps are done: no rollout thread, no second OpenMP team

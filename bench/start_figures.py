@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     from fastcredit.distributed.process_group import init_distributed, shutdown
     from fastcredit.rollout.agent import searcher_session
     from fastcredit.trainer.checks import check_run
-    from fastcredit.trainer.loop import Trainer
+    from fastcredit.train import colocated_trainer
     from fastcredit.trainer.sampling import outcome_rewards, rollout
 
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
@@ -106,16 +106,17 @@ def main(argv=None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     info = init_distributed()
-    trainer = Trainer(cfg, info)
+    trainer = colocated_trainer(cfg, info)
     t0 = time.time()
     heldout = trainer.evaluate()
     print(f"greedy held-out EM {heldout.get('eval/em', float('nan')):.3f} "
           f"({cfg.eval.questions} questions, {time.time() - t0:.0f} s)", flush=True)
-    train = trainer.parts.data.train
+    parts = trainer.source.parts  # the rollout side: the engine, searcher and data
+    train = parts.shared.data.train
     idx = random.Random(cfg.seed).sample(range(len(train)), min(args.prompts, len(train)))
     t0 = time.time()
-    with searcher_session(trainer.parts.searcher):
-        result, examples = rollout(trainer.parts, cfg, idx, train, group_size=cfg.rollout.n_samples,
+    with searcher_session(parts.rollout.searcher):
+        result, examples = rollout(parts, cfg, idx, train, group_size=cfg.rollout.n_samples,
                                    seed_base=cfg.seed * 1_000_003)
     reward, _ = outcome_rewards(cfg, result, examples)
     print(f"sampled {len(examples)} trajectories in {time.time() - t0:.0f} s", flush=True)
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
     figures = trajectory_figures(labels, [bool(e) for e in result.batch.em_B.tolist()],
                                  result.batch.group_id_B.tolist())
     figures["greedy_heldout_em"] = heldout.get("eval/em")
-    figures["heldout_questions"] = min(cfg.eval.questions, len(trainer.parts.data.test))
+    figures["heldout_questions"] = min(cfg.eval.questions, len(parts.shared.data.test))
     trainer.logger.close()
     shutdown(info)  # FSDP2's one-process group
     device = device_name()

@@ -28,12 +28,12 @@ import os
 import sys
 from typing import Optional
 
-from fastcredit.config.help import format_usage, handle_help
-from fastcredit.config import ConfigError, load_config, parse_cli
-from fastcredit.credit.needs import check_needs
+from fastcredit.config.help import answer_help, format_usage
+from fastcredit.config import CommandLine, ConfigError, load_config, parse_command
 from fastcredit.distributed.process_group import init_distributed, rank_failure_ends_job, shutdown
 from fastcredit.runtime.progress import quiet_library_bars
-from fastcredit.trainer.memory.command import memory_report, report_flags
+from fastcredit.trainer.checks import check_run
+from fastcredit.trainer.memory.command import REPORT_FLAGS, memory_report, report_request
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
 
@@ -59,22 +59,24 @@ FLAGS = """
 USAGE = format_usage(SYNOPSIS, __doc__, FLAGS)
 
 
-def main(argv: Optional[list] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    handle_help(argv, USAGE)
-    quiet_library_bars()  # a log gets plain progress lines, not the libraries' bar frames
-    resume, profile = "--resume" in argv, "--profile" in argv
-    argv = [a for a in argv if a not in ("--resume", "--profile")]
-    try:
-        report, argv = report_flags(argv)
-        path, overrides = parse_cli(argv)
-        cfg = load_config(path or DEFAULT_CONFIG, overrides)
-        if report is None:  # on every rank, before the process group starts: a wrong path named by its key
-            from fastcredit.trainer.checks import check_run
+# every flag of the command's own (--config, -h / --help and key=value are every command's)
+COMMAND_FLAGS = {"--resume": None, "--profile": None, **REPORT_FLAGS}
 
-            check_run(cfg, resume)
-        else:  # the plan reads the estimator's needs; the paths are the target machine's
-            check_needs(cfg)
+
+def main(argv: Optional[list] = None) -> int:
+    try:
+        args = parse_command(sys.argv[1:] if argv is None else argv, COMMAND_FLAGS)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    answer_help(args.help, USAGE)
+    quiet_library_bars()  # a log gets plain progress lines, not the libraries' bar frames
+    try:
+        report = report_request(args)
+        cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides)
+        # on every rank, before the process group starts: a wrong path named by its key; a plan's paths are the
+        # target machine's (it reads the estimator's needs alone)
+        check_run(cfg, args.has("--resume"), local=report is None)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -83,22 +85,52 @@ def main(argv: Optional[list] = None) -> int:
     info = init_distributed(cfg.distributed.backend, cfg.distributed.shard_size)
     with rank_failure_ends_job(info):  # under torchrun a failing rank must not leave the others waiting on it
         if cfg.distributed.placement == "split":
-            return split_main(cfg, info, resume, profile)
-        return colocated_main(cfg, info, resume, profile)
+            return split_main(cfg, info, args)
+        return colocated_main(cfg, info, args)
 
 
-def colocated_main(cfg, info, resume: bool, profile: bool) -> int:
-    """Every rank rolls out and trains (``fastcredit.trainer.loop.Trainer``), to the end."""
+def colocated_trainer(cfg, info, resume: bool = False, profile: bool = False):
+    """The Trainer of a colocated rank: both roles here (``fastcredit.trainer.parts.build_colocated``), its batches
+    collected by this rank's own engine, searcher and judges, its weights synced into that engine before each
+    rollout (``fastcredit.trainer.placement``)."""
     from fastcredit.trainer.loop import Trainer
+    from fastcredit.trainer.parts import build_colocated
+    from fastcredit.trainer.placement import EngineSync, LocalCollect
+    from fastcredit.trainer.run import open_run
 
+    run = open_run(cfg, info, resume)
+    training, rollout = build_colocated(cfg, info, run.out_dir, run.say)
+    source = LocalCollect(rollout, cfg, info, run.timer)
+    return Trainer(cfg, run, training, source, EngineSync(), resume=resume, profile=profile)
+
+
+def split_trainer(cfg, layout, resume: bool = False, profile: bool = False):
+    """The Trainer of a split placement's training rank (``layout``: this rank's view of the split): the training
+    side alone, its batches from the rollout ranks over the mailbox, its weights streamed to them
+    (``fastcredit.trainer.split``)."""
+    from fastcredit.trainer.loop import Trainer
+    from fastcredit.trainer.parts import build_training_rank
+    from fastcredit.trainer.run import open_run
+    from fastcredit.trainer.split import MailboxCollect, RolloutStream
+
+    run = open_run(cfg, layout.info, resume)
+    training = build_training_rank(cfg, layout, run.out_dir, run.say)
+    source = MailboxCollect(cfg, layout, run, len(training.shared.data.train))
+    sink = RolloutStream(cfg, layout, training.training.policy, run.timer)
+    return Trainer(cfg, run, training, source, sink, resume=resume, profile=profile)
+
+
+def colocated_main(cfg, info, args: CommandLine) -> int:
+    """Every rank rolls out and trains (:func:`colocated_trainer`), to the end."""
+    trainer = colocated_trainer(cfg, info, args.has("--resume"), args.has("--profile"))
     # every rank trips the collapse guard on the same (rank-averaged) metrics: they leave together
-    return _fit(Trainer(cfg, info, resume=resume, profile=profile), info, info.is_main, lambda: shutdown(info, 3))
+    return _fit(trainer, info, info.is_main, lambda: shutdown(info, 3))
 
 
-def split_main(cfg, info, resume: bool, profile: bool) -> int:
+def split_main(cfg, info, args: CommandLine) -> int:
     """``distributed.placement=split``: this rank's role (``fastcredit.trainer.split``), run to the end."""
     from fastcredit.distributed.split import SplitError, split_layout
-    from fastcredit.trainer.split import RolloutWorker, SplitTrainer
+    from fastcredit.trainer.split import RolloutWorker
 
     try:
         layout = split_layout(info, cfg.distributed.rollout_ranks, cfg.optim.batch_prompts)
@@ -114,9 +146,9 @@ def split_main(cfg, info, resume: bool, profile: bool) -> int:
         RolloutWorker(cfg, layout).run()
         shutdown(info)
         return 0
+    trainer = split_trainer(cfg, layout, args.has("--resume"), args.has("--profile"))
     # the rollout ranks wait for weights that will not come after a collapse: torchrun stops them
-    return _fit(SplitTrainer(cfg, layout, resume=resume, profile=profile), info, layout.info.is_main,
-                lambda: os._exit(3))
+    return _fit(trainer, info, layout.info.is_main, lambda: os._exit(3))
 
 
 def _fit(trainer, info, main: bool, on_collapse) -> int:

@@ -5,22 +5,22 @@
 
 Sections are declared in ``schema`` (and ``credit``, ``loss``, ``toy``), each field with its help
 and, for a number, its range (``fields.opt``, ``ranges``); loaded by ``load``, checked by ``checks``;
-``aliases`` maps veRL / Search-R1 keys, ``help`` prints ``--help``. This package imports nothing
-else of fastcredit, so every command can read its config first; what the chosen estimator needs
-is checked by ``fastcredit.credit.needs``.
+``aliases`` maps veRL / Search-R1 keys, ``command_line`` reads a command's arguments once,
+``help`` prints ``--help``. This package imports nothing else of fastcredit, so every command can
+read its config first; what the chosen estimator needs is checked by ``fastcredit.credit.needs``.
 """
 from fastcredit.config.credit import CreditConfig
 from fastcredit.config.errors import ConfigError, ConfigPathError
-from fastcredit.config.load import (all_keys, config_drift, dump_yaml, load_config, parse_cli, save_config, to_dict,
-                                    validate)
+from fastcredit.config.command_line import CommandLine, parse_cli, parse_command
+from fastcredit.config.load import all_keys, config_drift, dump_yaml, load_config, save_config, to_dict, validate
 from fastcredit.config.loss import LossConfig
 from fastcredit.config.schema import (DataConfig, DistributedConfig, EvalConfig, GuardConfig, JudgesConfig,
                                       LoggingConfig, ModelConfig, OptimConfig, ProceedRolloutConfig,
                                       RetrievalConfig, RolloutConfig, TrainConfig, WarmStartConfig)
 from fastcredit.config.toy import ToyWorldConfig
 
-__all__ = ["ConfigError", "ConfigPathError", "CreditConfig", "DataConfig", "DistributedConfig", "EvalConfig",
-           "GuardConfig", "JudgesConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OptimConfig",
+__all__ = ["CommandLine", "ConfigError", "ConfigPathError", "CreditConfig", "DataConfig", "DistributedConfig",
+           "EvalConfig", "GuardConfig", "JudgesConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OptimConfig",
            "ProceedRolloutConfig", "RetrievalConfig", "RolloutConfig", "ToyWorldConfig", "TrainConfig",
-           "WarmStartConfig", "all_keys", "config_drift", "dump_yaml", "load_config", "parse_cli", "save_config",
-           "to_dict", "validate"]
+           "WarmStartConfig", "all_keys", "config_drift", "dump_yaml", "load_config", "parse_cli", "parse_command",
+           "save_config", "to_dict", "validate"]

@@ -6,8 +6,10 @@ config keys on request.
     python -m fastcredit.train --help optim.lr
     python -m fastcredit.train --help all             # every config key
 
-A command with config keys calls :func:`handle_help` first thing in its ``main``, with a usage section built by
-:func:`format_usage` from its module docstring; an argparse command builds its parser with :func:`argparser`.
+A command with config keys reads its line once (``fastcredit.config.command_line.parse_command``) and passes the
+help it asked for to :func:`answer_help` (or calls :func:`handle_help` on its arguments first thing in its
+``main``), with a usage section built by :func:`format_usage` from its module docstring; an argparse command builds
+its parser with :func:`argparser`.
 """
 from __future__ import annotations
 
@@ -22,9 +24,9 @@ import typing
 from typing import Literal, Optional, Sequence
 
 from fastcredit.config import ConfigError
+from fastcredit.config.command_line import help_request
 
 KEYS_POINTER = "config keys: --help <prefix> (e.g. --help rollout, --help optim.lr), --help all for every key"
-HELP_FLAGS = ("-h", "--help")
 
 
 def _plain(text: str) -> str:
@@ -99,20 +101,6 @@ def take_flags(argv: Sequence[str], names: dict) -> tuple[dict, list]:
     return opts, rest
 
 
-def help_request(argv: Sequence[str]) -> Optional[str]:
-    """None when ``argv`` asks for no help; ``""`` for a plain ``-h`` / ``--help``; else the key prefix asked
-    for (``--help rollout``, ``--help=rollout``). A word after ``--help`` is a prefix unless it is a flag
-    (``-…``) or an override (``key=value``)."""
-    args = list(argv)
-    for i, a in enumerate(args):
-        if a.startswith("--help="):
-            return a.split("=", 1)[1]
-        if a in HELP_FLAGS:
-            nxt = args[i + 1] if i + 1 < len(args) else ""
-            return "" if nxt.startswith("-") or "=" in nxt else nxt
-    return None
-
-
 def _sections(keys: list[str]) -> list[str]:
     return sorted({k.rsplit(".", n)[0] for k in keys for n in range(1, k.count(".") + 1)})
 
@@ -176,16 +164,22 @@ def _type_name(tp) -> str:
 
 
 def handle_help(argv: Sequence[str], usage: str, config_keys: bool = True) -> None:
-    """Print help and exit 0 when ``argv`` asks for it; return (printing nothing) otherwise.
+    """Print help and exit 0 when ``argv`` asks for it (:func:`help_request`); return (printing nothing)
+    otherwise. A command that reads its line with :func:`~fastcredit.config.command_line.parse_command` passes
+    what it found to :func:`answer_help` instead."""
+    answer_help(help_request(argv), usage, config_keys)
 
-    ``argv``: the command's arguments (``sys.argv[1:]``). ``usage``: the command's usage section, e.g.
-    ``format_usage("python -m fastcredit.eval [--config X.yaml] [key=value ...]", __doc__, FLAGS)``.
-    ``config_keys``: the command takes config overrides, so ``--help`` ends with a pointer to the key listing,
-    ``--help PREFIX`` prints only the keys under PREFIX (``rollout``, ``rollout.proceed``, ``optim.lr``) and
-    ``--help all`` every key; an unknown PREFIX prints an error naming the closest keys and exits 2. Without
-    config keys a word after ``--help`` is ignored and the usage is printed.
+
+def answer_help(prefix: Optional[str], usage: str, config_keys: bool = True) -> None:
+    """Print the help asked for and exit 0; return (printing nothing) when ``prefix`` is None (none asked).
+
+    ``prefix``: ``""`` for a plain ``--help``, else the key prefix after it (``CommandLine.help``). ``usage``: the
+    command's usage section, e.g. ``format_usage("python -m fastcredit.eval [--config X.yaml] [key=value ...]",
+    __doc__, FLAGS)``. ``config_keys``: the command takes config overrides, so ``--help`` ends with a pointer to the
+    key listing, ``--help PREFIX`` prints only the keys under PREFIX (``rollout``, ``rollout.proceed``,
+    ``optim.lr``) and ``--help all`` every key; an unknown PREFIX prints an error naming the closest keys and exits
+    2. Without config keys a word after ``--help`` is ignored and the usage is printed.
     """
-    prefix = help_request(argv)
     if prefix is None:
         return
     if not prefix or not config_keys:

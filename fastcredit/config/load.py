@@ -286,26 +286,3 @@ def save_config(cfg, path: str) -> None:
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         fh.write(dump_yaml(cfg))
     os.replace(tmp, path)
-
-
-def parse_cli(argv: typing.Sequence[str]) -> tuple[Union[str, list[str], None], list[str]]:
-    """Split ``[--config X.yaml [--config OVERLAY.yaml …]] [key=value …]``: the path (a list when ``--config``
-    is given more than once, applied in order by :func:`load_config`) and the overrides. Help is the
-    command's own: ``fastcredit.config.help.handle_help`` answers ``--help`` before this runs."""
-    paths, overrides, args = [], [], list(argv)
-    while args:
-        a = args.pop(0)
-        if a in ("-h", "--help") or a.startswith("--help="):
-            raise ConfigError(f"{a} reached the config parser; "
-                              "call fastcredit.config.help.handle_help(argv, ...) first")
-        if a == "--config":
-            if not args:
-                raise ConfigError("--config needs a YAML path")
-            paths.append(args.pop(0))
-        elif a.startswith("--config="):
-            paths.append(a.split("=", 1)[1])
-        elif a.startswith("--"):
-            raise ConfigError(f"unknown flag {a!r}; overrides are written key=value without dashes")
-        else:
-            overrides.append(a)
-    return (paths[0] if len(paths) == 1 else paths or None), overrides

@@ -1,8 +1,10 @@
 """The trainer: the loop (``loop.Trainer``), one step (``step``: its trajectories from ``sampling``, the learning
-rate from ``schedule``), the parts it is built from (``parts.Parts``), the update, held-out evaluation, the warm
-start and the GPU / host memory plan. Import the module you need: this package imports nothing, so
-``--memory-report`` reads its plan without loading torch. ``from fastcredit.trainer import Trainer`` (the path of
-the one-module trainer before) still works: the name is loaded on first use."""
+rate from ``schedule``), the parts a rank holds (``parts``: ``TrainingParts``, ``RolloutParts``), what a placement
+gives the loop (``placement``: a batch source and a weights sink; ``split``: the split placement's), the run's
+folder (``run``), the update, held-out evaluation, the warm start and the GPU / host memory plan. Import the
+module you need: this package imports nothing, so ``--memory-report`` reads its plan without loading torch.
+``from fastcredit.trainer import Trainer`` (the path of the one-module trainer before) still works: the name is
+loaded on first use."""
 
 _MOVED = {"Trainer": "fastcredit.trainer.loop", "CollapseError": "fastcredit.trainer.loop"}
 

@@ -1,6 +1,7 @@
 """What a training run checks of its config, once, before anything loads or a process group starts.
 
     check_run(cfg, resume)     # the estimator's needs, the local paths, and with --resume the saved run's settings
+    check_run(cfg, local=False)  # the estimator's needs alone: a plan for another machine (--memory-report)
 
 The training command runs it on every rank before ``init_distributed`` (a ConfigError there exits 2 on every rank
 together); so do the benchmarks that build a Trainer themselves. The Trainer and the builders take the config it
@@ -20,12 +21,15 @@ from fastcredit.credit.needs import check_needs
 RESUME_MAY_CHANGE = ("optim.total_steps", "logging.", "eval.every", "run_name", "distributed.gpus")
 
 
-def check_run(cfg: TrainConfig, resume: bool = False) -> None:
+def check_run(cfg: TrainConfig, resume: bool = False, local: bool = True) -> None:
     """Every check a training run makes of its config, once, before anything loads or a process group starts: the
     estimator's needs (a judge, a PRM, ProCeed rollouts: ``fastcredit.credit.needs``), the local paths it names
     (``fastcredit.config.checks.check_paths``), and with ``resume`` that the saved run was made with these
-    settings (:func:`check_resume`). A ConfigError names what is wrong."""
+    settings (:func:`check_resume`). ``local=False``: the config is planned for another machine (``--memory-report``),
+    whose paths and runs are not here: its needs alone. A ConfigError names what is wrong."""
     check_needs(cfg)
+    if not local:
+        return
     check_paths(cfg)
     if resume:
         check_resume(cfg)  # before the saved config.yaml is replaced

@@ -1,26 +1,31 @@
 """The Trainer: one run's loop: fit, held-out evaluation, checkpoints and resume, the collapse guard.
 
-The run's parts (data, models and their training engines, rollout engine, retriever, judges)
-are built once into :class:`~fastcredit.trainer.parts.Parts` (``fastcredit.trainer.parts``);
-one training step is :func:`fastcredit.trainer.step.train_step`, which takes the parts and
-plain values, never the Trainer. The policy and value model train through the engine
-``distributed.engine`` names (FSDP2, or DeepSpeed ZeRO stage ``distributed.zero_stage``;
-``fastcredit.distributed.build``). The entry point is ``fastcredit.train``.
+    run = open_run(cfg, info, resume)                          # fastcredit.trainer.run
+    trainer = Trainer(cfg, run, training_parts, source, sink, resume=resume)
+    summary = trainer.fit()
+
+The Trainer holds the training side of its rank (:class:`~fastcredit.trainer.parts.TrainingParts`: the policy, value
+model and reference and their training engines) and is given, by its placement, where its batches come from and
+where its weights go (``fastcredit.trainer.placement``: colocated, this rank's own rollouts and engine; split, the
+rollout ranks over the mailbox). Its loop is the same for both: a batch, the update
+(:func:`fastcredit.trainer.step.learn`, which takes the parts and plain values, never the Trainer), the weights
+out, the step's metrics. The policy and value model train through the engine ``distributed.engine`` names (FSDP2,
+or DeepSpeed ZeRO stage ``distributed.zero_stage``; ``fastcredit.distributed.build``). The entry point, which
+builds the Trainer for the placement, is ``fastcredit.train``.
 """
 from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Optional
 
-
-from fastcredit.config import TrainConfig, save_config, to_dict
+from fastcredit.config import TrainConfig
 from fastcredit.data.sampler import PromptSampler
-from fastcredit.distributed.process_group import DistInfo
-from fastcredit.runtime.files import seed_everything
-from fastcredit.runtime.profiling import PhaseTimer, profiler_start, profiler_stop
-from fastcredit.runtime.tracking import MetricLogger, archive_previous_run, write_line
-from fastcredit.trainer.parts import build_colocated
+from fastcredit.runtime.profiling import nvtx_range, profiler_start, profiler_stop
+from fastcredit.trainer.parts import TrainingParts
+from fastcredit.trainer.placement import BatchSource, WeightsSink
+from fastcredit.trainer.run import Run
 from fastcredit.trainer.schedule import LRSchedule
 
 
@@ -29,60 +34,57 @@ class CollapseError(RuntimeError):
 
 
 class Trainer:
-    """One run: its folder, metric log and parts, the step counters and prompt order; fit, evaluate, save, resume.
+    """One run's loop over its batches: fit, evaluate, save, resume.
 
     ``step``: training steps done; ``lr.opt_steps``: optimizer steps done; ``rollbacks``: collapse-guard
     rollbacks so far; ``sampler``: the order training prompts are drawn in. All four are checkpointed."""
 
-    def __init__(self, cfg: TrainConfig, info: DistInfo, resume: bool = False, profile: bool = False):
+    def __init__(self, cfg: TrainConfig, run: Run, parts: TrainingParts, source: BatchSource, sink: WeightsSink,
+                 resume: bool = False, profile: bool = False):
         """``cfg`` as :func:`check_run` passed it (the training command runs the checks once, before the process
-        group starts)."""
-        self.cfg, self.info, self.profile = cfg, info, profile
+        group starts); ``run``: its folder, metric log and timer (:func:`~fastcredit.trainer.run.open_run`);
+        ``parts``: what trains on this rank; ``source`` and ``sink``: the placement's batches and weights
+        (``fastcredit.trainer.placement``). With ``resume`` the newest checkpoint is loaded; then the source starts
+        and the sink gets the weights the run starts from."""
+        self.cfg, self.run, self.parts, self.source, self.sink = cfg, run, parts, source, sink
+        self.info, self.out_dir, self.ckpt_dir = run.info, run.out_dir, run.ckpt_dir
+        self.logger, self.timer, self.profile = run.logger, run.timer, profile
         self.profile_start = min(2, max(cfg.optim.total_steps - 1, 0))  # nsys captures steps 2-4
-        self.out_dir = cfg.logging.output_dir
-        self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
-        if info.is_main:
-            os.makedirs(self.out_dir, exist_ok=True)
-            moved = None if resume else archive_previous_run(self.out_dir)
-            if moved:
-                print(f"{self.out_dir} held an earlier run (no --resume): its metrics and checkpoints moved to {moved}",
-                      flush=True)
-            save_config(cfg, os.path.join(self.out_dir, "config.yaml"))
-        seed_everything(cfg.seed)
-        self.timer = PhaseTimer()
-        self.logger = MetricLogger(self.out_dir, cfg.logging.jsonl, cfg.logging.tensorboard, cfg.logging.wandb,
-                                   cfg.run_name, to_dict(cfg), enabled=info.is_main)
-        self.say(f"fastcredit.train: {cfg.run_name} · estimator {cfg.credit.estimator} · {info.world_size} "
-                 f"process(es) on {info.device.type} → {self.out_dir}")
-        self.parts = self.build_parts()
         self.step, self.rollbacks, self.lr = 0, 0, LRSchedule(cfg.optim)
-        self.sampler = PromptSampler(len(self.parts.data.train), cfg.seed)
+        self.sampler = PromptSampler(len(parts.shared.data.train), cfg.seed)
         if resume:
             self._resume()
-
-    def build_parts(self):
-        """The run's parts on this rank: both roles, colocated (``fastcredit.trainer.parts.build_colocated``)."""
-        return build_colocated(self.cfg, self.info, self.out_dir, self.say)
+        source.start(self.step, self.sampler, resume)
+        sink.send(self.step)
 
     def say(self, text: str) -> None:
         """A line on rank 0's console, above the progress bar when one is showing."""
-        if self.info.is_main:
-            write_line(text)
+        self.run.say(text)
 
     def train_step(self) -> dict:
-        """One training step (``fastcredit.trainer.step``); returns its metrics (rank-averaged)."""
-        from fastcredit.trainer.step import train_step
+        """One training step on the source's next batch (``fastcredit.trainer.step.learn``), the new weights to the
+        sink; returns the step's metrics (rank-averaged)."""
+        from fastcredit.trainer.step import learn, step_metrics
 
-        return train_step(self.parts, self.cfg, self.info, self.timer, self.sampler, self.step, self.lr)
+        cfg, info, timer = self.cfg, self.info, self.timer
+        with nvtx_range("step"):
+            t0 = time.perf_counter()
+            got, self.sampler = self.source.take(self.step, self.sampler)
+            metrics = learn(self.parts, cfg, info, timer, got, self.step, self.lr, bound=self.source.bound)
+            self.source.learned(got, metrics)
+            self.sink.send(self.step + 1)
+            m = step_metrics(self.parts, info, timer, metrics, got.tokens, t0)
+            self.source.finish(self.step, got, m)
+            return m
 
     def evaluate(self) -> dict:
-        """Held-out scores of the policy now (:func:`evaluate_heldout`); empty when evaluation is off."""
-        return evaluate_heldout(self.parts, self.cfg, self.info, self.timer)
+        """Held-out scores of the policy now (the source's: where the engine is); empty when evaluation is off."""
+        return self.source.evaluate(self.step)
 
     def _checkpointed(self) -> tuple[dict, dict, dict]:
         """What a checkpoint holds, by name: DCP models and optimizers, and engines that save themselves."""
         models, optims, engines = {}, {}, {}
-        for name, engine in (("policy", self.parts.policy), ("value", self.parts.value)):
+        for name, engine in (("policy", self.parts.training.policy), ("value", self.parts.training.value)):
             if engine is None:
                 continue
             dcp_state = engine.dcp_state()
@@ -114,7 +116,7 @@ class Trainer:
         path, state = found
         self.step, self.lr.opt_steps = state["step"], state["opt_steps"]
         self.rollbacks = state.get("rollbacks", 0)
-        self.sampler = PromptSampler(len(self.parts.data.train), self.cfg.seed, **state["data"])
+        self.sampler = PromptSampler(len(self.parts.shared.data.train), self.cfg.seed, **state["data"])
         self.parts.phases.mark_updated(self.step)  # the engine still holds the pre-checkpoint weights
         self.logger.truncate_after(self.step)
         self.say(f"resumed from {path} (step {self.step})")
@@ -164,6 +166,8 @@ class Trainer:
         summary["em_after"] = after.get("eval/em")
         if after and self.step > 0:
             self.logger.log(self.step, after, console=False)
+        if late := self.source.late_scores(0):  # split: the scores before training came with a later batch
+            summary["em_before"] = late.get("eval/em")
         return summary
 
     def logged_em(self, step: int) -> Optional[float]:
@@ -219,10 +223,12 @@ class Trainer:
         return m
 
     def _handle_collapse(self, reason: str) -> None:
-        """Stop (``guard.action=stop``, no checkpoint, or out of rollbacks), or roll back to the newest checkpoint
-        and go on with other prompts."""
+        """Stop (``guard.action=stop``, no checkpoint, out of rollbacks, or a batch source that cannot roll back),
+        or roll back to the newest checkpoint and go on with other prompts."""
         from fastcredit.distributed.checkpoint import checkpoint_candidates
 
+        if self.source.no_rollback is not None:
+            raise CollapseError(f"collapse guard at step {self.step}: {reason}; stopping ({self.source.no_rollback})")
         g = self.cfg.guard
         path = next(iter(checkpoint_candidates(self.ckpt_dir)[0]), None)  # the first tried; _resume says if not used
         if g.action == "stop" or path is None or self.rollbacks >= g.max_rollbacks:
@@ -235,33 +241,6 @@ class Trainer:
         self.rollbacks = rollbacks
         # Other prompts after the rollback, or the same collapse would repeat.
         self.sampler.reseed(self.sampler.seed + 7_777 * rollbacks)
-
-
-def evaluate_heldout(parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer) -> dict:
-    """Held-out scores of greedy rollouts over ``eval.questions`` test questions spread evenly over the data
-    sources, each rank of ``info`` rolling out its shard, as ``python -m fastcredit.eval`` does under torchrun
-    (:func:`~fastcredit.trainer.heldout.evaluate_shard`): ``{"eval/em", "eval/f1", "eval/em/<source>", …}``,
-    empty when evaluation is off. ``eval/em`` is the mean over sources, as the papers average."""
-    from fastcredit.rollout.agent import searcher_session
-    from fastcredit.trainer.heldout import (eval_metrics, evaluate_shard, sample_per_source, score_records,
-                                            source_sums, summarize)
-    from fastcredit.trainer.sampling import rollout
-
-    test = parts.data.test
-    n = min(cfg.eval.questions, len(test))
-    if n == 0:
-        return {}
-    chosen = sample_per_source(test, n, cfg.eval.seed_for(cfg.seed))  # same on every rank
-
-    def roll(idx: list) -> list:
-        result, examples = rollout(parts, cfg, idx, test, greedy=True)
-        return score_records(result.episodes, examples, idx)
-
-    with timer.phase("eval"), searcher_session(parts.searcher):
-        records = evaluate_shard(chosen, info, roll)
-    sources = sorted({test[i].data_source for i in chosen})
-    seconds = timer.reset().get("eval", 0.0)
-    return {**eval_metrics(summarize(source_sums(records), sources)), "time/eval": seconds}
 
 
 def collapse_reason(m: dict, guard, step: int) -> Optional[str]:

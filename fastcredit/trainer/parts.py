@@ -1,15 +1,17 @@
-"""A run's parts on this rank, assembled from the two roles (``fastcredit.trainer.roles``) for its placement.
+"""What a rank holds for its roles (``fastcredit.trainer.roles``), assembled for its placement.
 
-    parts = build_colocated(cfg, info, out_dir, say)        # every rank rolls out, judges and trains in turn
-    parts = build_training_rank(cfg, layout, out_dir, say)  # distributed.placement=split: a training rank
-    parts = build_rollout_rank(cfg, layout, out_dir, say)   # ... and a rollout rank
+    training, rollout = build_colocated(cfg, info, out_dir, say)  # every rank rolls out, judges and trains in turn
+    training = build_training_rank(cfg, layout, out_dir, say)     # distributed.placement=split: a training rank
+    rollout = build_rollout_rank(cfg, layout, out_dir, say)       # ... and a rollout rank
 
-Each builds the roles it holds and the phase manager that schedules them (``fastcredit.distributed.colocate``):
-colocated, the rollout side's searcher feeds the training side's warm start and its engine shares the GPU with the
-training state (sized by the run's offload choice, ``fastcredit.trainer.memory.offload``); split, each rank holds one
-side, and a rollout rank keeps the newest weights it received (:class:`WeightMirror`). The step's code reads the
-parts through :class:`Parts` (``parts.policy``, ``parts.engine``, ...) whatever the placement. The order inside
-each builder is the order the seeded generators are drawn from: reordering changes the run.
+A rank that trains holds :class:`TrainingParts`, one that rolls out :class:`RolloutParts`; a colocated rank holds
+both, over the same data and one phase manager (``fastcredit.distributed.colocate``) that takes the GPU from one
+role to the other: the rollout side's searcher feeds the training side's warm start and its engine shares the GPU
+with the training state (sized by the run's offload choice, ``fastcredit.trainer.memory.offload``). In a split
+placement each rank holds one, and a rollout rank's engine is synced from the newest weights it received
+(:class:`WeightMirror`). Neither holds what its rank does not have: code that needs the engine takes the
+:class:`RolloutParts`. The order inside each builder is the order the seeded generators are drawn from: reordering
+changes the run.
 """
 from __future__ import annotations
 
@@ -24,33 +26,33 @@ from fastcredit.trainer.roles import RolloutSide, Shared, TrainingSide, build_ro
 
 
 @dataclass
-class Parts:
-    """What one rank runs with: the shared data and tokenizer, the roles it holds (``training``, ``rollout``: both
-    colocated, one in a split placement), the phase manager and the GPU memory it logs at phase boundaries (the
-    step takes it). A rollout rank's ``policy`` is its :class:`WeightMirror`."""
+class TrainingParts:
+    """What a rank that trains holds: the data and tokenizer (``shared``), the trained models and their training
+    engines (``training``), the phase manager, and the GPU memory it logs at phase boundaries (the step's metrics
+    take it)."""
 
     shared: Shared
+    training: TrainingSide
     phases: Any  # PhaseManager: what holds the GPU in each phase of a step
-    training: Optional[TrainingSide] = None
-    rollout: Optional[RolloutSide] = None
-    mirror: Optional["WeightMirror"] = None
     memory: dict = field(default_factory=dict)
 
-    data = property(lambda self: self.shared.data)
-    tokenizer = property(lambda self: self.shared.tokenizer)
-    policy = property(lambda self: self.training.policy if self.training is not None else self.mirror)
-    value = property(lambda self: self.training.value if self.training is not None else None)
-    ref = property(lambda self: self.training.ref if self.training is not None else None)
-    searcher = property(lambda self: self.rollout.searcher if self.rollout is not None else None)
-    retriever = property(lambda self: self.rollout.retriever if self.rollout is not None else None)
-    engine = property(lambda self: self.rollout.engine if self.rollout is not None else None)
-    proceed_hook = property(lambda self: self.rollout.proceed_hook if self.rollout is not None else None)
-    judges = property(lambda self: self.rollout.judges if self.rollout is not None else None)
+
+@dataclass
+class RolloutParts:
+    """What a rank that rolls out holds: the data and tokenizer (``shared``), the searcher, engine, judges and
+    ProCeed's hook (``rollout``), the phase manager, and ``weights``: what the engine is synced from before a
+    rollout (the policy's training engine colocated, a rollout rank's :class:`WeightMirror`)."""
+
+    shared: Shared
+    rollout: RolloutSide
+    phases: Any  # PhaseManager
+    weights: Any
 
 
-def build_colocated(cfg: TrainConfig, info, out_dir: str, say: Callable[[str], None]) -> Parts:
-    """Both roles on this rank (``info``: its DistInfo) and the phase manager that takes the GPU from one to the
-    other. ``out_dir``: the run folder; ``say``: rank 0's console."""
+def build_colocated(cfg: TrainConfig, info, out_dir: str,
+                    say: Callable[[str], None]) -> tuple[TrainingParts, RolloutParts]:
+    """Both roles on this rank (``info``: its DistInfo), over the same data and one phase manager that takes the
+    GPU from one to the other. ``out_dir``: the run folder; ``say``: rank 0's console."""
     from fastcredit.distributed.colocate import PhaseManager
     from fastcredit.retrieval.searcher import make_searcher
     from fastcredit.trainer.memory.offload import local_offload
@@ -83,10 +85,11 @@ def build_colocated(cfg: TrainConfig, info, out_dir: str, say: Callable[[str], N
                           move_state=moves_training_state(cfg, info, offload))
     if rollout.empty_engine:
         phases.mark_updated()  # the engine started without the policy's weights: the first rollout streams them in
-    return Parts(shared, phases, training=training, rollout=rollout, memory=memory)
+    return (TrainingParts(shared, training, phases, memory),
+            RolloutParts(shared, rollout, phases, weights=training.policy))
 
 
-def build_training_rank(cfg: TrainConfig, layout, out_dir: str, say: Callable[[str], None]) -> Parts:
+def build_training_rank(cfg: TrainConfig, layout, out_dir: str, say: Callable[[str], None]) -> TrainingParts:
     """A split placement's training rank: the training side (a retriever is opened for the warm start's
     observations only, and only when the warm start is not cached) and a phase manager with nothing to colocate."""
     from fastcredit.distributed.colocate import PhaseManager
@@ -96,10 +99,10 @@ def build_training_rank(cfg: TrainConfig, layout, out_dir: str, say: Callable[[s
     training = build_training_side(cfg, info, shared, out_dir, say)
     # nothing to colocate with: the training state stays on the device, no engine sleeps
     phases = PhaseManager(None, None, training.state, info.device, colocate=False, move_state=False)
-    return Parts(shared, phases, training=training)
+    return TrainingParts(shared, training, phases)
 
 
-def build_rollout_rank(cfg: TrainConfig, layout, out_dir: str, say: Callable[[str], None]) -> Parts:
+def build_rollout_rank(cfg: TrainConfig, layout, out_dir: str, say: Callable[[str], None]) -> RolloutParts:
     """A split placement's rollout rank: the rollout side (with ``retrieval.across_ranks=shard`` the index split
     over the rollout ranks), its engine built for the policy's architecture (the weights come from the training
     rank before the first rollout), and the host copy of the newest weights received (:class:`WeightMirror`)."""
@@ -117,7 +120,7 @@ def build_rollout_rank(cfg: TrainConfig, layout, out_dir: str, say: Callable[[st
                           sync_fn=lambda w: engine.update_weights(w.full_state(engine.weight_dtype)),
                           judge_weights=rollout.judge_weights, move_state=False)
     phases.mark_updated()  # nothing loaded until the training rank's first weights arrive
-    return Parts(shared, phases, rollout=rollout, mirror=mirror)
+    return RolloutParts(shared, rollout, phases, weights=mirror)
 
 
 class WeightMirror:

@@ -16,10 +16,10 @@ from fastcredit.config import TrainConfig
 from fastcredit.distributed.process_group import DistInfo, max_over_ranks
 from fastcredit.rollout.proceed import proceed_flags
 from fastcredit.rollout.build import agent_loop, prompt_ids
-from fastcredit.trainer.parts import Parts
+from fastcredit.trainer.parts import RolloutParts
 
 
-def rollout(parts: Parts, cfg: TrainConfig, idx: list[int], examples_from: list, greedy: bool = False,
+def rollout(parts: RolloutParts, cfg: TrainConfig, idx: list[int], examples_from: list, greedy: bool = False,
             group_size: int = 1, hook=None, seed_base: int = 0, group_base: int = 0):
     """Roll out ``group_size`` trajectories for each of ``examples_from[idx]``; returns (result, examples).
 
@@ -27,13 +27,13 @@ def rollout(parts: Parts, cfg: TrainConfig, idx: list[int], examples_from: list,
     prompt drawn again in the same step forms a separate group.
     """
     examples = [examples_from[i] for i in idx for _ in range(group_size)]
-    prompts = prompt_ids(cfg, parts.tokenizer, examples)
+    prompts = prompt_ids(cfg, parts.shared.tokenizer, examples)
     groups = [group_base + i for i in idx for _ in range(group_size)]
     flags = proceed_flags(groups, cfg.rollout.proceed.fraction) if hook is not None else [False] * len(groups)
     metas = [{"question": ex.question, "golds": ex.golden_answers, "example": ex, "proceed": f,
               "seed": None if greedy else seed_base + j} for j, (ex, f) in enumerate(zip(examples, flags))]
-    with parts.phases.rollout(weights=parts.policy):
-        loop = agent_loop(cfg, parts.engine, parts.searcher, greedy, hook)
+    with parts.phases.rollout(weights=parts.weights):
+        loop = agent_loop(cfg, parts.rollout.engine, parts.rollout.searcher, greedy, hook)
         result = loop.run(prompts, group_id=groups, metas=metas)
     return result, examples
 
@@ -56,7 +56,7 @@ def outcome_rewards(cfg: TrainConfig, result, examples) -> tuple[torch.Tensor, d
                     "format_ok": float(result.batch.format_ok_B.float().mean())}
 
 
-def sample_batch(parts: Parts, cfg: TrainConfig, info: DistInfo, timer, sampler, step: int):
+def sample_batch(parts: RolloutParts, cfg: TrainConfig, info: DistInfo, timer, sampler, step: int):
     """Rollouts + rewards (+ DAPO refill rounds) of training step ``step``: ``(result, examples, reward_B, metrics)``.
 
     ``sampler``: the PromptSampler the prompts are drawn from; ``timer``: the PhaseTimer of the
@@ -64,7 +64,7 @@ def sample_batch(parts: Parts, cfg: TrainConfig, info: DistInfo, timer, sampler,
     from fastcredit.credit.dapo import dynamic_sampling_step
 
     per_rank = cfg.optim.batch_prompts // info.world_size
-    ds = cfg.credit.dynamic_sampling
+    ds, train, hook = cfg.credit.dynamic_sampling, parts.shared.data.train, parts.rollout.proceed_hook
     rounds, round_metrics, kept, seen = [], [], 0, 0
     want = per_rank
     while True:
@@ -72,9 +72,8 @@ def sample_batch(parts: Parts, cfg: TrainConfig, info: DistInfo, timer, sampler,
         idx = idx_all[info.rank * want:(info.rank + 1) * want]
         seed = cfg.seed * 1_000_003 + step * 10_007 + len(rounds) * 101 + info.rank * 7_000_001
         with timer.phase("rollout"):
-            result, examples = rollout(parts, cfg, idx, parts.data.train, group_size=cfg.rollout.n_samples,
-                                       hook=parts.proceed_hook, seed_base=seed,
-                                       group_base=len(rounds) * len(parts.data.train))
+            result, examples = rollout(parts, cfg, idx, train, group_size=cfg.rollout.n_samples, hook=hook,
+                                       seed_base=seed, group_base=len(rounds) * len(train))
         with timer.phase("reward"):
             reward, m = outcome_rewards(cfg, result, examples)
         round_metrics.append({**m, **result.stats})
@@ -89,8 +88,8 @@ def sample_batch(parts: Parts, cfg: TrainConfig, info: DistInfo, timer, sampler,
     metrics = {k: sum(r[k] for r in round_metrics) / len(rounds) for k in round_metrics[0]}
     if ds.enabled:
         metrics.update({f"dapo/{k}": v for k, v in decision.metrics.items()})
-    if parts.proceed_hook is not None:
-        metrics.update({f"proceed/{k}": float(v) for k, v in parts.proceed_hook.take_stats().items()})
+    if hook is not None:
+        metrics.update({f"proceed/{k}": float(v) for k, v in hook.take_stats().items()})
     if len(rounds) == 1 and not ds.enabled:
         return result, examples, reward, metrics
     return (*merge_rounds(rounds, per_rank), metrics)

@@ -1,5 +1,9 @@
-"""The split placement's two loops: the training ranks' :class:`SplitTrainer` and the rollout ranks'
-:class:`RolloutWorker` (``distributed.placement=split``; the groups: ``fastcredit.distributed.split``).
+"""The split placement: the training ranks' batch source and weights sink, and the rollout ranks' loop
+(``distributed.placement=split``; the groups: ``fastcredit.distributed.split``).
+
+    training rank: Trainer(cfg, run, training_parts, MailboxCollect(cfg, layout, run, n_train),
+                           RolloutStream(cfg, layout, policy, run.timer))       # fastcredit.trainer.placement
+    rollout rank:  RolloutWorker(cfg, layout).run()
 
     rollout rank, step t:  weights ≥ t − k (wait) → rollouts, rewards, DAPO, judges, labels → batch t to its
                            training rank → step t + 1 (no waiting for the update)
@@ -34,8 +38,10 @@ from fastcredit.distributed.process_group import max_over_ranks
 from fastcredit.distributed.split import Mailbox, SplitError, WeightInbox, send_object
 from fastcredit.runtime.files import seed_everything
 from fastcredit.runtime.profiling import PhaseTimer
-from fastcredit.trainer.loop import CollapseError, Trainer, eval_line, evaluate_heldout
-from fastcredit.trainer.step import Collected, collect, learn, step_metrics
+from fastcredit.trainer.loop import eval_line
+from fastcredit.trainer.placement import BatchSource, WeightsSink, evaluate_heldout
+from fastcredit.trainer.run import Run
+from fastcredit.trainer.step import Collected, collect
 
 LEDGER = "trained.jsonl"
 
@@ -76,124 +82,132 @@ def merge_collected(msgs: list) -> Collected:
                      golds)
 
 
-class SplitTrainer(Trainer):
-    """The training ranks' loop: batches from the rollout ranks, the update, weights back."""
+class MailboxCollect(BatchSource):
+    """A training rank's batches: the rollout ranks that feed it send them over the mailbox, each with the prompt
+    order after it, the held-out scores made since the last one and the seconds its rollout rank worked and waited.
+    Every trained step gets a line in ``trained.jsonl``. ``n_train``: the training questions. ``mailbox``: what
+    receives the batches (default: a :class:`~fastcredit.distributed.split.Mailbox` on the layout's pair groups,
+    opened when the source starts)."""
 
-    def __init__(self, cfg, layout, resume: bool = False, profile: bool = False):
-        self.layout = layout
-        super().__init__(cfg, layout.info, resume=resume, profile=profile)
+    no_rollback = "a rollback needs distributed.placement=colocated; resume from a checkpoint with --resume"
+
+    def __init__(self, cfg, layout, run: Run, n_train: int, mailbox=None):
+        self.cfg, self.layout, self.run, self.info, self.n_train = cfg, layout, run, layout.info, n_train
+        self.bound = cfg.rollout.max_staleness
+        self.mailbox = mailbox
         self.evals: dict = {}
-        r = cfg.rollout
-        self.say(f"split placement: rank(s) {_span(layout.trainers)} train, {_span(layout.rollouts)} roll out; "
-                 f"rollout.max_staleness={r.max_staleness}, rollout.partial={str(r.partial).lower()}")
-        if layout.control_group is not None:  # the rollout ranks start from this step and prompt order
-            box = [{"step": self.step, "sampler": self.sampler.state()}]
+        self.msgs: list = []  # the batch being trained: its rollout ranks' messages
+        self.lag = 0  # its largest version lag over the training ranks
+
+    def start(self, step: int, sampler: PromptSampler, resume: bool) -> None:
+        """Tell the rollout ranks the step and prompt order to start from (they build their parts once this rank's
+        are built: the world, tokenizer and index a warm start made here are ready, not built twice at once), open
+        the mailbox and, resumed, cut the ledger back to ``step``."""
+        layout, r = self.layout, self.cfg.rollout
+        self.run.say(f"split placement: rank(s) {_span(layout.trainers)} train, {_span(layout.rollouts)} roll out; "
+                     f"rollout.max_staleness={r.max_staleness}, rollout.partial={str(r.partial).lower()}")
+        if layout.control_group is not None:
+            box = [{"step": step, "sampler": sampler.state()}]
             dist.broadcast_object_list(box, src=0, group=layout.control_group)
-        self.mailbox = Mailbox(layout.sources())
+        if self.mailbox is None:
+            self.mailbox = Mailbox(layout.sources())
         if resume:
-            self._cut_ledger()
-        self.send_weights(self.step)
+            self._cut_ledger(step)
 
-    def build_parts(self):
-        from fastcredit.trainer.parts import build_training_rank
+    def take(self, step: int, sampler: PromptSampler) -> tuple[Collected, PromptSampler]:
+        with self.run.timer.phase("wait_rollout"):
+            msgs = self.mailbox.take()
+        self._take_evals(msgs)
+        steps = {m["step"] for m in msgs}
+        if steps != {step}:
+            raise SplitError(f"training step {step} got the rollout ranks' batches of step(s) {sorted(steps)}")
+        self.msgs = msgs
+        return merge_collected(msgs), PromptSampler(self.n_train, self.cfg.seed, **msgs[0]["sampler"])
 
-        return build_training_rank(self.cfg, self.layout, self.out_dir, self.say)
+    def learned(self, got: Collected, metrics: dict) -> None:
+        """The batch's largest version lag over the training ranks (logged and in the ledger), and the seconds its
+        rollout ranks worked and waited."""
+        msgs = self.msgs
+        self.lag = max_over_ranks(int(metrics.get("offpolicy/version_lag_max", 0)), self.info)
+        busy = sum(m["busy_s"] for m in msgs) / len(msgs)
+        waited = sum(m["waited_s"] for m in msgs) / len(msgs)
+        metrics.update({"split/rollout_busy_s": busy, "split/rollout_wait_s": waited})
 
-    def send_weights(self, version: int) -> None:
-        """The policy's weights as version ``version`` to the rollout ranks (every training rank gathers its
-        shards; training rank 0 sends)."""
-        from fastcredit.distributed.build import compute_dtype
-        from fastcredit.distributed.weight_stream import send_weights
+    def finish(self, step: int, got: Collected, metrics: dict) -> None:
+        metrics["offpolicy/version_lag_max"] = float(self.lag)
+        metrics["split/train_idle_frac"] = metrics.get("time/wait_rollout", 0.0) / metrics["time/step"]
+        self._write_ledger(step, got, self.lag)
 
-        dtype = compute_dtype(self.cfg.distributed, self.info, self.cfg.model.dtype)
-        with self.timer.phase("send_weights"):
-            named = self.parts.policy.full_state(dtype)
-            if self.layout.weights_group is not None:
-                send_weights(named, version, src=0, group=self.layout.weights_group, device=self.info.device)
-            else:
-                for _ in named:  # the gathers are collective over the training ranks
-                    pass
+    def evaluate(self, step: int) -> dict:
+        """The rollout ranks' scores of the policy now: after the last step, from their final message; before it,
+        nothing yet (they arrive with a later batch and are logged at their own step)."""
+        if step < self.cfg.optim.total_steps:
+            return {}
+        msgs = self.mailbox.take()
+        if not all(m.get("final") for m in msgs):
+            raise SplitError(f"after the last step the rollout ranks sent step(s) {[m.get('step') for m in msgs]}")
+        self._take_evals(msgs)
+        return self.evals.get(step, {})
+
+    def late_scores(self, version: int) -> dict:
+        return self.evals.get(version, {})
 
     def _take_evals(self, msgs: list) -> None:
         for version, scores in sorted(msgs[0].get("evals", {}).items()):
             self.evals[version] = scores
-            if version != self.cfg.optim.total_steps and scores:  # the last: fit logs it
+            if version != self.cfg.optim.total_steps and scores:  # the last: the Trainer's fit logs it
                 when = "before training" if version == 0 else f"after {version} steps"
-                self.say(f"held-out EM {when} (rollout ranks): {eval_line(scores)}")
-                self.logger.log(version, scores, console=False)
+                self.run.say(f"held-out EM {when} (rollout ranks): {eval_line(scores)}")
+                self.run.logger.log(version, scores, console=False)
 
-    def train_step(self) -> dict:
-        cfg, info = self.cfg, self.info
-        t0 = time.perf_counter()
-        with self.timer.phase("wait_rollout"):
-            msgs = self.mailbox.take()
-        self._take_evals(msgs)
-        steps = {m["step"] for m in msgs}
-        if steps != {self.step}:
-            raise SplitError(f"training step {self.step} got the rollout ranks' batches of step(s) {sorted(steps)}")
-        got = merge_collected(msgs)
-        metrics = learn(self.parts, cfg, info, self.timer, got, self.step, self.lr, bound=cfg.rollout.max_staleness)
-        lag = max_over_ranks(int(metrics.get("offpolicy/version_lag_max", 0)), info)
-        self.send_weights(self.step + 1)
-        self.sampler = PromptSampler(len(self.parts.data.train), cfg.seed, **msgs[0]["sampler"])
-        busy = sum(m["busy_s"] for m in msgs) / len(msgs)
-        waited = sum(m["waited_s"] for m in msgs) / len(msgs)
-        metrics.update({"split/rollout_busy_s": busy, "split/rollout_wait_s": waited})
-        m = step_metrics(self.parts, info, self.timer, metrics, got.tokens, t0)
-        m["offpolicy/version_lag_max"] = float(lag)
-        m["split/train_idle_frac"] = m.get("time/wait_rollout", 0.0) / m["time/step"]
-        self._write_ledger(got, lag)
-        return m
-
-    def _write_ledger(self, got: Collected, lag: int) -> None:
+    def _write_ledger(self, step: int, got: Collected, lag: int) -> None:
         """One line per trained step: its prompts (first-seen order), trajectories and largest version lag."""
-        n = len(self.parts.data.train)
-        groups = [int(g) % n for g in got.batch.group_id_B.tolist()]
+        groups = [int(g) % self.n_train for g in got.batch.group_id_B.tolist()]
         prompts = list(dict.fromkeys(groups))
-        row = {"step": self.step, "prompts": prompts, "trajectories": len(groups), "version_lag_max": lag}
+        row = {"step": step, "prompts": prompts, "trajectories": len(groups), "version_lag_max": lag}
         gathered = [None] * self.info.world_size
         if self.info.distributed:
             dist.all_gather_object(gathered, row, group=self.info.group)
         else:
             gathered = [row]
         if self.info.is_main:
-            row = {"step": self.step, "prompts": [p for r in gathered for p in r["prompts"]],
+            row = {"step": step, "prompts": [p for r in gathered for p in r["prompts"]],
                    "trajectories": sum(r["trajectories"] for r in gathered),
                    "version_lag_max": max(r["version_lag_max"] for r in gathered)}
-            with open(os.path.join(self.out_dir, LEDGER), "a") as f:
+            with open(os.path.join(self.run.out_dir, LEDGER), "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    def _cut_ledger(self) -> None:
+    def _cut_ledger(self, step: int) -> None:
         """Drop the ledger's lines of steps not in the checkpoint resumed from (they are trained again)."""
-        path = os.path.join(self.out_dir, LEDGER)
+        path = os.path.join(self.run.out_dir, LEDGER)
         if not self.info.is_main or not os.path.exists(path):
             return
         with open(path) as f:
-            rows = [line for line in f if (_row(line) or {}).get("step", self.step) < self.step]
+            rows = [line for line in f if (_row(line) or {}).get("step", step) < step]
         with open(path + ".tmp", "w") as f:
             f.writelines(rows)
         os.replace(path + ".tmp", path)
 
-    def evaluate(self) -> dict:
-        """The rollout ranks' scores of the policy now: after the last step, from their final message; before it,
-        nothing yet (they arrive with a later batch and are logged at their own step)."""
-        if self.step < self.cfg.optim.total_steps:
-            return {}
-        msgs = self.mailbox.take()
-        if not all(m.get("final") for m in msgs):
-            raise SplitError(f"after the last step the rollout ranks sent step(s) {[m.get('step') for m in msgs]}")
-        self._take_evals(msgs)
-        return self.evals.get(self.step, {})
 
-    def fit(self) -> dict:
-        summary = super().fit()
-        if self.evals.get(0):
-            summary["em_before"] = self.evals[0].get("eval/em")
-        return summary
+class RolloutStream(WeightsSink):
+    """A training rank's weights sink: the policy's weights to the rollout ranks after every update (every training
+    rank gathers its shards; training rank 0 sends), in the compute dtype, timed as ``send_weights``."""
 
-    def _handle_collapse(self, reason: str) -> None:
-        raise CollapseError(f"collapse guard at step {self.step}: {reason}; stopping (a rollback needs "
-                            "distributed.placement=colocated; resume from a checkpoint with --resume)")
+    def __init__(self, cfg, layout, policy, timer: PhaseTimer):
+        self.cfg, self.layout, self.info, self.policy, self.timer = cfg, layout, layout.info, policy, timer
+
+    def send(self, version: int) -> None:
+        from fastcredit.distributed.build import compute_dtype
+        from fastcredit.distributed.weight_stream import send_weights
+
+        dtype = compute_dtype(self.cfg.distributed, self.info, self.cfg.model.dtype)
+        with self.timer.phase("send_weights"):
+            named = self.policy.full_state(dtype)
+            if self.layout.weights_group is not None:
+                send_weights(named, version, src=0, group=self.layout.weights_group, device=self.info.device)
+            else:
+                for _ in named:  # the gathers are collective over the training ranks
+                    pass
 
 
 class RolloutWorker:
@@ -213,7 +227,7 @@ class RolloutWorker:
         seed_everything(cfg.seed)
         self.timer = PhaseTimer()
         self.parts = build_rollout_rank(cfg, layout, cfg.logging.output_dir, lambda text: None)
-        self.sampler = PromptSampler(len(self.parts.data.train), cfg.seed, **box[0]["sampler"])
+        self.sampler = PromptSampler(len(self.parts.shared.data.train), cfg.seed, **box[0]["sampler"])
         self.version = -1
         self.points = eval_points(cfg, self.start)
         self.evals: dict = {}
@@ -226,7 +240,7 @@ class RolloutWorker:
 
     def _load(self, version: int, named: list) -> None:
         """A new version for the next rollout (synced into the engine when it starts)."""
-        self.parts.policy.set(version, named)
+        self.parts.weights.set(version, named)
         self.parts.phases.mark_updated(version)
         self.version = version
 
@@ -236,10 +250,10 @@ class RolloutWorker:
         if got is None:
             return
         version, named = got
-        engine = self.parts.engine
+        engine = self.parts.rollout.engine
         engine.load_between_steps(named)
         engine.weights_version = version
-        self.parts.policy.set(version, named)
+        self.parts.weights.set(version, named)
         self.parts.phases.version, self.parts.phases.stale_weights = version, False
         self.version = version
         self.inflight_loads += 1

@@ -10,11 +10,13 @@ search labels, ``fastcredit.trainer.credit_labels``) → PPO epochs over mini- a
 micro-batches (``fastcredit.trainer.update``; the learning rate set before each optimizer
 step) → weight sync into the rollout engine at the next rollout. Each rank rolls out its
 own share of the prompts; the update's denominators are global. A phase takes what it
-needs: the run's :class:`~fastcredit.trainer.parts.Parts`, the config, and plain values.
+needs: the rank's parts (``fastcredit.trainer.parts``), the config, and plain values.
 
 The step has two halves: :func:`collect` (rollouts to judges and credit labels, into a
-:class:`Collected`) and :func:`learn` (log-probs to the update). Colocated, every rank runs both;
-a split placement runs them on different ranks (``fastcredit.trainer.split``).
+:class:`Collected`; it takes the :class:`~fastcredit.trainer.parts.RolloutParts`) and :func:`learn` (log-probs to
+the update; the :class:`~fastcredit.trainer.parts.TrainingParts`). The Trainer runs :func:`learn` on what its batch
+source gives it: :func:`collect` on the same rank colocated, a rollout rank's in a split placement
+(``fastcredit.trainer.placement``, ``fastcredit.trainer.split``).
 """
 from __future__ import annotations
 
@@ -27,10 +29,10 @@ import torch
 from fastcredit.config import TrainConfig
 from fastcredit.credit.registry import estimator_needs
 from fastcredit.distributed.process_group import DistInfo, all_reduce_sum, max_over_ranks, mean_over_ranks
-from fastcredit.runtime.profiling import PhaseTimer, nvtx_range
+from fastcredit.runtime.profiling import PhaseTimer
 from fastcredit.trainer.credit_labels import credit_accuracy, turn_labels
 from fastcredit.trainer.offpolicy import behaviour_correction
-from fastcredit.trainer.parts import Parts
+from fastcredit.trainer.parts import RolloutParts, TrainingParts
 from fastcredit.trainer.sampling import sample_batch
 from fastcredit.trainer.schedule import LRSchedule
 
@@ -50,30 +52,19 @@ class Collected:
     golds: Optional[list] = None  # [B] each trajectory's gold answers, when the estimator needs them (IG-Search)
 
 
-def train_step(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, sampler, step: int,
-               lr: LRSchedule) -> dict:
-    """Training step ``step`` (0-based) on prompts drawn from ``sampler``; returns its metrics (rank-averaged).
-
-    ``lr`` sets the learning rates before each optimizer step and counts them."""
-    with nvtx_range("step"):
-        t0 = time.perf_counter()
-        got = collect(parts, cfg, info, timer, sampler, step)
-        metrics = learn(parts, cfg, info, timer, got, step, lr, bound=0)
-        return step_metrics(parts, info, timer, metrics, got.tokens, t0)
-
-
-def collect(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, sampler, step: int,
+def collect(parts: RolloutParts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, sampler, step: int,
             between_steps: Optional[Callable[[], None]] = None) -> Collected:
     """Step ``step``'s rollouts, outcome rewards, dynamic sampling and judges, and its credit labels.
     ``between_steps``: the engine calls it between two of its steps while the policy rolls out (in-flight weight
     loads; never while a critic's weights are switched in)."""
-    parts.engine.between_steps = between_steps
+    engine, judges = parts.rollout.engine, parts.rollout.judges
+    engine.between_steps = between_steps
     try:
         result, examples, reward, metrics = sample_batch(parts, cfg, info, timer, sampler, step)
     finally:
-        parts.engine.between_steps = None
+        engine.between_steps = None
     with timer.phase("judge"), parts.phases.judge():
-        extras, jm = parts.judges.score(result, examples, reward) if parts.judges is not None else ({}, {})
+        extras, jm = judges.score(result, examples, reward) if judges is not None else ({}, {})
     metrics.update(jm)
     labels = turn_labels(result.batch, reward, result.episodes, examples, extras)
     tokens = float(result.batch.num_tokens + sum(len(p) for p in result.prompt_ids))
@@ -82,7 +73,7 @@ def collect(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, s
     return Collected(result.prompt_ids, result.batch, reward, extras, labels, metrics, tokens, golds)
 
 
-def learn(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, got: Collected, step: int,
+def learn(parts: TrainingParts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, got: Collected, step: int,
           lr: LRSchedule, bound: int) -> dict:
     """Train step ``step`` on ``got``: log-probs (and IG-Search's answer scores), the decoupled correction of turns
     up to ``bound`` versions old (StalenessError beyond), advantages, credit accuracy, the update; the policy's
@@ -137,7 +128,7 @@ def old_from_rollout(cfg: TrainConfig, info: DistInfo, batch, version: int) -> b
     return ok
 
 
-def score_tokens(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, prompts, batch,
+def score_tokens(parts: TrainingParts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, prompts, batch,
                  from_rollout: bool = False):
     """``(old_logp_N, ref_logp_N, values_N)`` of the batch's response tokens, float32 on the CPU: the policy's
     log-probs before the update (the rollout's with ``from_rollout``, :func:`old_from_rollout`; else a forward),
@@ -149,23 +140,23 @@ def score_tokens(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTim
     def most(n: int) -> int:
         return max_over_ranks(n, info)
 
-    ref = values = None
+    models, ref, values = parts.training, None, None
     with parts.phases.train():  # its moves (engines to sleep, training state back) are timed by the phases
         with timer.phase("old_logprobs"):
             if from_rollout:
                 old = batch.rollout_logp_N.float().cpu()
             else:
-                old = forward_logprobs(parts.policy, prompts, batch, info.device, mt, temperature, most)[0]
-        if parts.ref is not None:
-            with timer.phase("ref_logprobs"), parts.phases.using(parts.ref):
-                ref = forward_logprobs(parts.ref, prompts, batch, info.device, mt, temperature, most)[0]
-        if parts.value is not None:
+                old = forward_logprobs(models.policy, prompts, batch, info.device, mt, temperature, most)[0]
+        if models.ref is not None:
+            with timer.phase("ref_logprobs"), parts.phases.using(models.ref):
+                ref = forward_logprobs(models.ref, prompts, batch, info.device, mt, temperature, most)[0]
+        if models.value is not None:
             with timer.phase("values"):
-                values = forward_values(parts.value, prompts, batch, info.device, mt, most)
+                values = forward_values(models.value, prompts, batch, info.device, mt, most)
     return old, ref, values
 
 
-def score_answers(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, got: Collected,
+def score_answers(parts: TrainingParts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, got: Collected,
                   step: int) -> tuple[dict, dict]:
     """IG-Search's scoring phase (``ig_score``, timed on its own, beside the old log-probs with the training state
     where it is): each search turn's information gain under the policy and its query span, as CreditInputs
@@ -175,9 +166,10 @@ def score_answers(parts: Parts, cfg: TrainConfig, info: DistInfo, timer: PhaseTi
 
     seed = cfg.seed * 1_000_003 + step * 10_007 + info.rank * 7_000_001
     with parts.phases.train(), timer.phase("ig_score"):
-        return score_information_gain(parts.policy, got.prompt_ids, got.batch, got.golds, parts.tokenizer,
-                                      cfg.credit.igsearch, info.device, cfg.optim.micro_batch_tokens,
-                                      cfg.rollout.temperature, seed, lambda n: max_over_ranks(n, info))
+        return score_information_gain(parts.training.policy, got.prompt_ids, got.batch, got.golds,
+                                      parts.shared.tokenizer, cfg.credit.igsearch, info.device,
+                                      cfg.optim.micro_batch_tokens, cfg.rollout.temperature, seed,
+                                      lambda n: max_over_ranks(n, info))
 
 
 def advantages(cfg: TrainConfig, info: DistInfo, batch, reward_B: torch.Tensor, old_logp_N, ref_logp_N, values_N,
@@ -194,7 +186,7 @@ def advantages(cfg: TrainConfig, info: DistInfo, batch, reward_B: torch.Tensor, 
     return compute_advantages(cfg.credit.estimator, inputs, cfg.credit)
 
 
-def update(parts: Parts, cfg: TrainConfig, info: DistInfo, lr: LRSchedule, prompts, batch, credit, old_logp_N,
+def update(parts: TrainingParts, cfg: TrainConfig, info: DistInfo, lr: LRSchedule, prompts, batch, credit, old_logp_N,
            ref_logp_N, values_N, behaviour_weight_N=None) -> dict:
     """The PPO update of the policy (and value model) on the batch (``fastcredit.trainer.update.ppo_update``);
     its metrics, summed over ranks. ``behaviour_weight_N``: the decoupled correction's weights (None: none)."""
@@ -202,13 +194,15 @@ def update(parts: Parts, cfg: TrainConfig, info: DistInfo, lr: LRSchedule, promp
 
     per_mini = max(cfg.optim.mini_batch_prompts // info.world_size, 1)
     data = UpdateData(prompts, batch, credit, old_logp_N, ref_logp_N, values_N, behaviour_weight_N)
-    return ppo_update(parts.policy, data, cfg.loss, cfg.optim, info.device, temperature=cfg.rollout.temperature,
+    policy, value = parts.training.policy, parts.training.value
+    return ppo_update(policy, data, cfg.loss, cfg.optim, info.device, temperature=cfg.rollout.temperature,
                       dp_size=info.world_size, reduce=lambda t: all_reduce_sum(t, info),
-                      max_over_ranks=lambda n: max_over_ranks(n, info), value=parts.value, groups_per_mini=per_mini,
-                      on_step=lambda: lr.before_step(parts.policy, parts.value))
+                      max_over_ranks=lambda n: max_over_ranks(n, info), value=value, groups_per_mini=per_mini,
+                      on_step=lambda: lr.before_step(policy, value))
 
 
-def step_metrics(parts: Parts, info: DistInfo, timer: PhaseTimer, metrics: dict, tokens: float, t0: float) -> dict:
+def step_metrics(parts: TrainingParts, info: DistInfo, timer: PhaseTimer, metrics: dict, tokens: float,
+                 t0: float) -> dict:
     """The step's metrics as logged: rank means (the actor's and critic's are already global sums), the seconds of
     each phase and colocation move, of the step since ``t0`` (``time.perf_counter``), tokens per second over all
     ranks, and GPU memory at the phase boundaries."""

@@ -23,14 +23,14 @@ def test_a_profiled_debug_run_writes_the_trace_and_the_phase_table(tmp_path, cap
     ``main`` ends the process when it ends the process group, so the Trainer is run here as main runs it)."""
     from fastcredit.config import load_config
     from fastcredit.distributed.process_group import DistInfo
-    from fastcredit.trainer.loop import Trainer
+    from fastcredit.train import colocated_trainer
 
     out = tmp_path / "run"
     cfg = load_config(os.path.join(ROOT, "configs", "debug.yaml"),
                       ["optim.total_steps=4", *SMALL, "loss.kl_coef=0.001", f"data.world_dir={tmp_path / 'world'}",
                        f"logging.output_dir={out}",
                        "loss.old_logprobs=recompute"])  # a forward in that phase (auto: the rollout's, a copy)
-    trainer = Trainer(cfg, DistInfo(), profile=True)
+    trainer = colocated_trainer(cfg, DistInfo(), profile=True)
     try:
         trainer.fit()
     finally:

@@ -50,7 +50,8 @@ def test_the_choice_reaches_the_phase_manager_the_reference_and_the_log(monkeypa
     import fastcredit.trainer.memory.offload as offload
     from fastcredit.distributed.fsdp import FrozenModel
     from fastcredit.distributed.process_group import DistInfo
-    from fastcredit.trainer.loop import Trainer
+    from fastcredit.train import colocated_trainer
+    from fastcredit.trainer.run import Run
 
     made, offloads, said, asked = [], [], [], []
 
@@ -66,14 +67,14 @@ def test_the_choice_reaches_the_phase_manager_the_reference_and_the_log(monkeypa
     monkeypatch.setattr(colocate, "PhaseManager", Recorded)
     monkeypatch.setattr(offload, "local_offload", on_an_80gib_gpu)
     monkeypatch.setattr(FrozenModel, "offload", lambda self: offloads.append(self))
-    monkeypatch.setattr(Trainer, "say", lambda self, text: said.append(text))
+    monkeypatch.setattr(Run, "say", lambda self, text: said.append(text))
     cfg = load_config(os.path.join(ROOT, "configs", "debug.yaml"),
                       [f"data.world_dir={world}", f"logging.output_dir={tmp_path / 'run'}", *SMALL,
                        "loss.kl_coef=0.001", f"distributed.offload_state={setting}"])
-    trainer = Trainer(cfg, DistInfo())
+    trainer = colocated_trainer(cfg, DistInfo())
     try:
         moves = setting == "true"
-        assert trainer.parts.ref is not None and asked == [1]  # decided once
+        assert trainer.parts.training.ref is not None and asked == [1]  # decided once
         assert made == [(moves, 2 if moves else 0)] and len(offloads) == (1 if moves else 0)
         line = f"distributed.offload_state={setting}: the training state " + (
             "moves to the host while the engines work (as set)" if moves else "stays on the GPU (the plan with it kept")

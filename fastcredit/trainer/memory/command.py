@@ -12,8 +12,7 @@ import os
 import sys
 from typing import Optional
 
-from fastcredit.config import ConfigError
-from fastcredit.config.help import take_flags
+from fastcredit.config import CommandLine, ConfigError
 
 # --memory-report's host RAM a node when no --host-gib is given and this machine is not a node of the plan: an
 # 8 x H100 DGX node's 2 TiB (DGX H100's system memory), the node this project's paper configs plan for
@@ -21,15 +20,19 @@ DEFAULT_NODE_HOST_GIB = 2048.0
 # --memory-report's options and how each value is read
 REPORT_OPTIONS = {"--gpu-gib": float, "--gpus": int, "--index-rows": int, "--index-dim": int, "--host-gib": float,
                   "--gpus-per-node": int}
+# the flags of the training command's line that are --memory-report's (fastcredit.config.parse_command reads them)
+REPORT_FLAGS = {"--memory-report": None, **REPORT_OPTIONS}
 
 
-def report_flags(argv: list) -> tuple[Optional[dict], list]:
-    """Take --memory-report and its options out of ``argv``: (options or None, the rest)."""
-    opts, rest = take_flags(argv, {**REPORT_OPTIONS, "--memory-report": None})
-    report = opts.pop("--memory-report", False)
-    if opts and not report:
-        raise ConfigError(f"{', '.join(opts)} only apply with --memory-report")
-    return ({**opts, "report": True} if report else None), rest
+def report_request(args: CommandLine) -> Optional[dict]:
+    """--memory-report's options as the command line gave them, or None when no report was asked for; a
+    ConfigError when its options came without it."""
+    opts = {name: value for name, value in args.flags.items() if name in REPORT_OPTIONS}
+    if not args.has("--memory-report"):
+        if opts:
+            raise ConfigError(f"{', '.join(opts)} only apply with --memory-report")
+        return None
+    return {**opts, "report": True}
 
 
 def memory_report(cfg, opts: dict) -> int:
