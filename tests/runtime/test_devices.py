@@ -138,8 +138,11 @@ def test_engine_executor_and_judge_threads_bind_the_engine_device(bound):
             pass
 
     engine = Engine1()
-    out = asyncio.run(engine.agenerate([1], SamplingParams(max_tokens=1)))
-    assert bound[out.token_ids[0]] == torch.device("cuda", 1)
-    backend = EngineBackend(engine, temperature=0.0, max_tokens=4)
-    names = asyncio.run(backend.complete([JudgeRequest("judge this", "criticsearch")]))
-    assert bound[names[0]] == torch.device("cuda", 1)
+    try:
+        out = asyncio.run(engine.agenerate([1], SamplingParams(max_tokens=1)))
+        assert bound[out.token_ids[0]] == torch.device("cuda", 1)
+        backend = EngineBackend(engine, temperature=0.0, max_tokens=4)
+        names = asyncio.run(backend.complete([JudgeRequest("judge this", "criticsearch")]))
+        assert bound[names[0]] == torch.device("cuda", 1)
+    finally:  # its worker thread (engine_0) must not outlive the test: tests/runtime/test_threads.py counts threads
+        engine.end_rollout()
