@@ -282,7 +282,7 @@ def run_all(args, overrides: list[str], cfg) -> Optional[str]:
                 running.append(_Run(cmd, folder, label, seed, total, tag, each))
             if failed is not None and not running:
                 break
-            time.sleep(2.0)
+            _wait_for_an_end(running, 2.0)
             for run in list(running):
                 rc = run.poll()
                 if rc is not None:
@@ -293,6 +293,14 @@ def run_all(args, overrides: list[str], cfg) -> Optional[str]:
         for run in running:
             run.stop()
     return failed
+
+
+def _wait_for_an_end(running: list, seconds: float) -> None:
+    """Sleep ``seconds`` between progress reports, but no longer than it takes one of ``running`` to end (the next
+    run starts at once)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and all(run.proc.poll() is None for run in running):
+        time.sleep(0.1)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,8 @@ epochs over the batch are as many optimizer steps. ``AGG`` (default turn-mean): 
 aggregation; a comma-separated list runs one update from the same start for each, and OUT.pt then
 maps each to its parameters and metrics.
 
-``ENGINE=deepspeed`` trains through DeepSpeed ZeRO stage ``ZERO`` (default 3) with every
+``ENGINE=deepspeed`` trains through DeepSpeed ZeRO stage ``ZERO`` (default 3; a comma-separated list runs each
+stage in turn, each from a fresh engine, and OUT.pt then maps ``zero<stage>`` to the run) with every
 parameter partitioned (persistence threshold 0, so the LM head really is gathered as an
 external parameter), activation checkpointing on, and the state offloaded and reloaded
 through the colocation path before the update.
@@ -62,21 +63,26 @@ def main(argv: list) -> int:
     out = argv[0]
     info = init_distributed("gloo")
     aggs = os.environ.get("AGG", "turn-mean").split(",")
-    runs = {agg: update(info, agg) for agg in aggs}
+    engine = os.environ.get("ENGINE", "fsdp2")
+    stages = [int(z) for z in os.environ.get("ZERO", "3").split(",")] if engine == "deepspeed" else [None]
+    if len(aggs) > 1 and len(stages) > 1:
+        raise SystemExit("fsdp_update: a list in AGG or in ZERO, not in both")
+    runs = {(agg if stage is None or len(stages) == 1 else f"zero{stage}"): update(info, agg, engine, stage)
+            for agg in aggs for stage in stages}
     if info.is_main:
-        torch.save(runs[aggs[0]] if len(aggs) == 1 else runs, out)
+        torch.save(next(iter(runs.values())) if len(runs) == 1 else runs, out)
     shutdown(info)
     return 0
 
 
-def update(info, agg: str) -> dict:
+def update(info, agg: str, engine: str, stage) -> dict:
     """One update of the tiny policy from its seeded start: the full parameters and the update's metrics."""
     lm = tiny_lm()
     batch, prompts, reward = whole_batch()
     if info.distributed:  # rank r takes groups 2r, 2r+1 (trajectories 4r..4r+3)
         idx = torch.arange(4 * info.rank, 4 * info.rank + 4)
         batch, prompts, reward = select(batch, idx), [prompts[i] for i in idx], reward[idx]
-    policy = _engine(PolicyModel(lm), info, os.environ.get("ENGINE", "fsdp2"))
+    policy = _engine(PolicyModel(lm), info, engine, stage)
     cfg_loss = LossConfig(agg_mode=agg, kl_coef=0.0)
     max_over = (lambda n: n) if not info.distributed else _max_over
     old, _ = forward_logprobs(policy, prompts, batch, "cpu", 24, max_over_ranks=max_over)
@@ -93,13 +99,13 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=1.0)
 
 
-def _engine(module, info, kind: str):
+def _engine(module, info, kind: str, stage):
     if kind == "fsdp2":
         model = wrap_fsdp2(module, info)
         return FSDP2Engine(model, _sgd(model.parameters()))
     from fastcredit.distributed.deepspeed_engine import wrap_deepspeed
 
-    engine = wrap_deepspeed(module, info, _sgd, zero_stage=int(os.environ.get("ZERO", "3")), mixed_precision=False,
+    engine = wrap_deepspeed(module, info, _sgd, zero_stage=stage, mixed_precision=False,
                             activation_checkpointing=True, grad_clip=100.0,
                             overrides={"zero_allow_untested_optimizer": True,  # SGD is not on ZeRO's list
                                        "zero_optimization": {"stage3_param_persistence_threshold": 0}})

@@ -27,19 +27,21 @@ def _run(cmd, env):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference") / "one.pt"
-    _run([str(out)], ENV)
-    return torch.load(out)
+def updates(tmp_path_factory):
+    """The update on one process, and on two DeepSpeed ranks at ZeRO-3 and ZeRO-2 (one torchrun, a fresh engine
+    each)."""
+    tmp = tmp_path_factory.mktemp("deepspeed_update")
+    one, two = tmp / "one.pt", tmp / "two.pt"
+    _run([str(one)], ENV)
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT, str(two)],
+         {**ENV, "ENGINE": "deepspeed", "ZERO": "3,2"})
+    return torch.load(one), torch.load(two)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [3, 2])
-def test_two_deepspeed_ranks_match_one_process(tmp_path, reference, stage):
-    out = tmp_path / "two.pt"
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT, str(out)],
-         {**ENV, "ENGINE": "deepspeed", "ZERO": str(stage)})
-    a, b = reference, torch.load(out)
+def test_two_deepspeed_ranks_match_one_process(updates, stage):
+    a, b = updates[0], updates[1][f"zero{stage}"]
     assert sorted(b["params"]) == sorted(a["params"])  # the HF names the weight sync streams
     # The same bounds as the FSDP2 test: fp32 sums in another order (two ranks' halves,
     # reduce-scatter, ZeRO's flat partitions) round differently, ~1e-8 here; with SGD at lr 1
