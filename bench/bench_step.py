@@ -52,7 +52,7 @@ import urllib.request
 import torch
 
 from bench.results_io import child_env, device_name, write_results
-from bench.step_report import comparability, headline, markdown, phase_table, plot, workload
+from bench.step_report import ROUND, comparability, headline, markdown, paired_rounds, phase_table, plot, workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DESIGN = os.path.join(ROOT, "configs", "searchr1_design.yaml")
@@ -246,6 +246,8 @@ def run_rounds(a, common: list[str], world: str, work: str) -> dict:
                 server.close()
         for name in ("fastcredit", "searchr1_design"):
             run = got[name]
+            for row in run["rows"]:
+                row[ROUND] = r
             if name not in runs:
                 runs[name] = run
                 continue
@@ -339,6 +341,7 @@ def main(argv=None) -> int:
               "runs": {d: {k: r[k] for k in ("wall_s", "peak", "rows", "start_weights", "end_weights", "threads")}
                        for d, r in runs.items()}}
     report["table"] = phase_table(runs)
+    report["paired"] = paired_rounds(runs)
     report["workload"] = workload(runs)
     report["comparable"], report["not_comparable"] = comparability(report["workload"])
     step = next(r for r in report["table"] if r["phase"] == "step")

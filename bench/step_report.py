@@ -12,9 +12,12 @@ the engine generated, the ones cut after a tag included: ``decoded_tokens_per_tr
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from typing import Optional
+
+from fastcredit.compare.report import mean_interval
 
 DESIGNS = ("fastcredit", "searchr1_design")
 COMPARABLE = 0.05  # the largest relative difference of turns or response tokens per trajectory at "equal work"
@@ -36,6 +39,8 @@ WORKLOAD = (("searches / trajectory", "searches_per_traj"), ("turns / trajectory
             ("format followed", "format_ok"))
 # the workload rows that must agree for the steps to be called the same work
 MUST_AGREE = ("turns_per_traj", "response_tokens_mean")
+RAN = 1e-3  # seconds: a phase whose median is below this in a design was not run there (paired_rounds)
+ROUND = "bench/round"  # bench_step tags each step's row with the round (0-based) whose processes ran it
 
 
 def _median(rows: list[dict], plus: tuple, minus: tuple = ()) -> float:
@@ -85,6 +90,32 @@ def phase_table(runs: dict) -> list[dict]:
         pa, pb = row.get(f"{a}_us_per_token"), row.get(f"{b}_us_per_token")
         row["ratio_per_token"] = pa / pb if pa is not None and pb else None
     return table
+
+
+def paired_rounds(runs: dict) -> list[dict]:
+    """The phases' ratios paired by round, per trained token: in each round both designs ran in fresh processes
+    minutes apart, so a round's ratio (of each design's median over its steps) cancels the machine's drift between
+    rounds, which pooled medians do not. Rows ``{phase, rounds, ratio, lo, hi, per_round}``: the geometric mean of
+    the rounds' ratios and its 95% interval (t over the rounds' log ratios). A phase one design does not run (its
+    median under ``RAN``) and rows whose steps carry no ``ROUND`` tag (one round, or older reports) give no rows."""
+    a, b = DESIGNS
+    rounds = sorted({r[ROUND] for d in DESIGNS for r in runs[d]["rows"] if ROUND in r})
+    out = []
+    for label, keys in (*TOP, ("step", ("time/step",))):
+        if min(_median(runs[d]["rows"], keys) for d in DESIGNS) < RAN:  # a phase one design skips
+            continue
+        per_round = []
+        for n in rounds:
+            pa = _per([r for r in runs[a]["rows"] if r.get(ROUND) == n], keys, (), trained_tokens)
+            pb = _per([r for r in runs[b]["rows"] if r.get(ROUND) == n], keys, (), trained_tokens)
+            if pa is not None and pb:
+                per_round.append(pa / pb)
+        if len(per_round) < 2 or min(per_round) <= 0:
+            continue
+        mean, half = mean_interval([math.log(x) for x in per_round])
+        out.append({"phase": label, "rounds": len(per_round), "ratio": math.exp(mean),
+                    "lo": math.exp(mean - half), "hi": math.exp(mean + half), "per_round": per_round})
+    return out
 
 
 def workload(runs: dict) -> list[dict]:
@@ -151,6 +182,12 @@ def markdown(report: dict, root: str) -> str:
         if searches and max(searches[0][d] for d in DESIGNS) == 0:
             lines.append("\nNo trajectory searched: the retrieval path sat idle, so this step says little about "
                          "the designs' retrieval (a warm-started policy searches).")
+    if report.get("paired"):
+        lines += ["", f"Paired by round, per trained token: {a} / {b} in each round (both fresh processes, minutes "
+                  "apart), their geometric mean and its 95% interval over the rounds:", "",
+                  "| phase | rounds | ratio | 95% interval | each round |", "|---|---:|---:|---|---|"]
+        lines += [f"| {p['phase']} | {p['rounds']} | {p['ratio']:.3f} | {p['lo']:.3f}–{p['hi']:.3f} | "
+                  + " ".join(f"{x:.2f}" for x in p["per_round"]) + " |" for p in report["paired"]]
     for d in DESIGNS:
         peaks = ", ".join(f"{k} {v:.2f}" for k, v in report["runs"][d]["peak"].items()) or "n/a"
         lines.append(f"\n{d}: peak memory {peaks}; wall {report['runs'][d]['wall_s']:.1f} s for all its steps.")

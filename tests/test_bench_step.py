@@ -9,7 +9,7 @@ import pytest
 from tests.commands import run_main
 
 from bench.bench_step import check_same_start, shape_overrides
-from bench.step_report import DESIGNS, comparability, headline, markdown, phase_table, workload
+from bench.step_report import DESIGNS, ROUND, comparability, headline, markdown, paired_rounds, phase_table, workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,6 +52,30 @@ def test_time_per_token_divides_each_step_by_its_own_tokens():
     gen = table["generation"]
     assert gen["per"] == "decoded" and gen[f"{DESIGNS[0]}_us_per_token"] == pytest.approx(1e6 / 200)
     assert gen[f"{DESIGNS[1]}_us_per_token"] == pytest.approx(3e6 / 600) and gen["ratio_per_token"] == 1.0
+
+
+def test_rounds_pair_the_designs_and_cancel_the_drift_between_rounds():
+    """A machine twice as slow in round 1 moves both designs: each round's ratio is 0.9, and so is their geometric
+    mean, with an interval of zero width; pooled medians would mix the rounds. Rounds that disagree widen the
+    interval, and untagged rows (one process each) give no paired rows."""
+    def rows(update, slow, old=0.0):
+        return [{**_row(s, step=3.0 * slow, update=update * slow, old_logprobs=old), "tokens/trained": 1000.0,
+                 ROUND: r} for r, slow in enumerate(slow) for s in (1, 2)]
+
+    runs = {DESIGNS[0]: {"rows": rows(0.9, (1.0, 2.0), old=1e-5)}, DESIGNS[1]: {"rows": rows(1.0, (1.0, 2.0), 0.4)}}
+    paired = {p["phase"]: p for p in paired_rounds(runs)}
+    assert "old log-probs" not in paired  # a pass one design skips has no ratio to pair
+    update = paired["update"]
+    assert update["rounds"] == 2 and update["per_round"] == pytest.approx([0.9, 0.9])
+    assert update["ratio"] == pytest.approx(0.9) and update["lo"] == pytest.approx(0.9) == update["hi"]
+    runs[DESIGNS[0]]["rows"] = rows(0.9, (1.0, 2.4))  # round 1 slower for fastcredit only: ratios 0.9 and 1.08
+    update = {p["phase"]: p for p in paired_rounds(runs)}["update"]
+    assert update["ratio"] == pytest.approx((0.9 * 1.08) ** 0.5)
+    assert update["lo"] < 0.9 and update["hi"] > 1.08  # t with one degree of freedom: 12.7 standard errors
+    for run in runs.values():
+        for r in run["rows"]:
+            del r[ROUND]
+    assert paired_rounds(runs) == []
 
 
 def test_steps_of_different_work_are_not_compared():

@@ -218,6 +218,10 @@ class DistributedConfig:
                 "(the choice and its reason are printed at start and shown by --memory-report). true: it always "
                 "moves, as Search-R1 does (veRL's param_offload / optimizer_offload); false: it always stays (with "
                 "vLLM, set rollout.gpu_memory_utilization)")
+    keep_host_memory: Literal["auto", True, False] = opt(
+        "auto", "glibc's malloc keeps the host memory torch frees (large blocks from the heap, no trimming), so the "
+                "next training pass reuses it instead of page-faulting fresh zeroed pages (fastcredit.runtime."
+                "host_memory). Process-wide; the resident size stays at its peak. auto: where training runs on the CPU")
     shard_size: int = opt(-1, "FSDP2 shard group size, HSDP when it divides the world (-1: all "
                               "ranks; engine=fsdp2 only)", range=COUNT, also=(-1,), note="-1: all ranks")
     colocate: bool = opt(True, "rollout, judge and training take turns on every GPU (vLLM sleep mode)")

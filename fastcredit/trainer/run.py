@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from fastcredit.config import TrainConfig, save_config, to_dict
 from fastcredit.distributed.process_group import DistInfo
 from fastcredit.runtime.files import seed_everything
+from fastcredit.runtime.host_memory import host_memory_note
 from fastcredit.runtime.profiling import PhaseTimer
 from fastcredit.runtime.tracking import MetricLogger, archive_previous_run, write_line
 
@@ -40,8 +41,8 @@ class Run:
 def open_run(cfg: TrainConfig, info: DistInfo, resume: bool = False) -> Run:
     """The run of ``cfg`` (as :func:`~fastcredit.trainer.checks.check_run` passed it) on this rank: rank 0 makes
     ``logging.output_dir``, moves an earlier run's files aside (not with ``resume``) and saves ``config.yaml``;
-    every rank seeds its generators from ``cfg.seed`` and opens the metric log; rank 0 prints the run's first
-    line."""
+    every rank seeds its generators from ``cfg.seed``, opens the metric log and applies
+    ``distributed.keep_host_memory``; rank 0 prints the run's first lines."""
     out_dir = cfg.logging.output_dir
     if info.is_main:
         os.makedirs(out_dir, exist_ok=True)
@@ -56,4 +57,7 @@ def open_run(cfg: TrainConfig, info: DistInfo, resume: bool = False) -> Run:
     run = Run(info, out_dir, logger, PhaseTimer())
     run.say(f"fastcredit.train: {cfg.run_name} · estimator {cfg.credit.estimator} · {info.world_size} "
             f"process(es) on {info.device.type} → {out_dir}")
+    note = host_memory_note(cfg.distributed.keep_host_memory, info.device.type == "cpu")
+    if note:
+        run.say(note)
     return run
