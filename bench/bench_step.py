@@ -19,7 +19,8 @@ seed and batch: fastcredit's own (the config as given) and Search-R1's system de
 retrieval to a ``/retrieve`` server this script starts on the same index, the unfused torch loss
 and log-prob, no prefix caching). Per design it reports the medians over the timed steps of each
 phase the trainer times (``time/*`` in metrics.jsonl), tokens/s and peak memory; then the ratio
-fastcredit / Search-R1 design per phase and for the whole step (below 1: fastcredit is faster), and what
+fastcredit / Search-R1 design per phase and for the whole step (below 1: fastcredit is faster), with two
+``--rounds`` or more each phase's ratio paired by round and its 95% interval (``step_report.paired_rounds``), and what
 the steps did (searches, turns and response tokens per trajectory: with random weights a policy does not
 search, and the retrieval path, where the designs differ most, sits idle; a config with a warm start
 searches: each design makes it the same way, before its steps, and keeps it in ``--work``).

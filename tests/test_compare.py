@@ -202,6 +202,32 @@ def test_variants_and_summaries():
     assert "| pica | 3 | 0.500 | 0.700 ± 0.497 | +0.100 ± 0.000 | 0.700 ± 0.497 | +0.100 ± 0.000 |" in md
 
 
+def test_runs_without_held_out_evaluations_report_their_other_columns(tmp_path):
+    """eval.every=0 eval.questions=0 (a timing comparison): the EM columns are empty, seconds per step, the IG
+    share and the credit table are still the runs', and a run that did evaluate keeps its EM beside them."""
+    from fastcredit.compare.report import write_report
+
+    silent = {"eval_em": {}, "steps": 60, "seconds_per_step": 3.0, "judge_calls_per_step": 0.0}
+    t = summarize({"grpo": [{**silent, "seed": 0}, {**silent, "seed": 1}],
+                   "igsearch": [{**silent, "seed": 0, "seconds_per_step": 5.0, "ig_score_share": 0.4}]}, None)
+    assert t["threshold"] is None
+    grpo, ig = t["methods"]["grpo"], t["methods"]["igsearch"]
+    assert grpo["final_em"] is None and grpo["start_em"] is None and ig["vs_grpo"] is None
+    assert ig["seconds_per_step"] == 5.0 and ig["ig_score_share"] == 0.4 and grpo["reached_threshold"] == "0/2"
+    md = format_markdown(t, "cpu", "x")
+    assert "| grpo | 2 | – | – | – |" in md and "| 5.0 | 40% |" in md
+    mixed = summarize({"grpo": [{**silent, "seed": 0}], "ppo": [{**silent, "seed": 0, "eval_em": {"0": 0.5}}]},
+                      None)
+    assert mixed["threshold"] == 0.5 and mixed["methods"]["ppo"]["final_em"] == 0.5
+    for k in (0, 1):  # the whole report, the plot included, from runs' folders
+        folder = tmp_path / "runs" / "grpo" / f"seed{k}"
+        folder.mkdir(parents=True)
+        (folder / "result.json").write_text(json.dumps({**silent, "seed": k, "method": "grpo"}))
+        (folder / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5, "time/step": 3.0}) + "\n")
+    paths = write_report(str(tmp_path / "runs"), ["grpo"], str(tmp_path / "out"), "x")
+    assert len(paths) == 3 and all(os.path.exists(p) for p in paths)
+
+
 def test_credit_metrics_are_averaged_over_steps_then_seeds_with_their_labels():
     # gold labels: plain names; a step without a metric (no wasted search in a success that step) is not a zero
     gold = [{"step": 1, "reward": 0.5, "credit/turn_auc": 0.6, "credit/miscredit_frac/wasted_in_success": 1.0,

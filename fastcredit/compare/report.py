@@ -146,6 +146,18 @@ def _curve(r: dict) -> list[tuple[int, float]]:
     return sorted((int(k), v) for k, v in r["eval_em"].items())
 
 
+def final_em(r: dict) -> Optional[float]:
+    """The run's last held-out EM; None for a run that never evaluated (``eval.every=0 eval.questions=0``)."""
+    curve = _curve(r)
+    return curve[-1][1] if curve else None
+
+
+def start_em(r: dict) -> Optional[float]:
+    """The run's first held-out EM (its warm start's); None for a run that never evaluated."""
+    curve = _curve(r)
+    return curve[0][1] if curve else None
+
+
 def mean_after_start(r: dict) -> Optional[float]:
     """The mean held-out EM over the run's evaluations after step 0 (learning speed: the area under its curve);
     None for a run evaluated only at the start."""
@@ -160,8 +172,11 @@ def _paired(rows: list[dict], base: dict, value) -> tuple[list[float], Optional[
     return (diffs, *mean_interval(diffs)) if diffs else (diffs, None, None)
 
 
-def steps_to(r: dict, threshold: float) -> Optional[int]:
-    """The first evaluated step (after 0) whose held-out EM reaches ``threshold``; None if none does."""
+def steps_to(r: dict, threshold: Optional[float]) -> Optional[int]:
+    """The first evaluated step (after 0) whose held-out EM reaches ``threshold``; None if none does (or there is no
+    threshold: no run evaluated)."""
+    if threshold is None:
+        return None
     return next((s for s, em in _curve(r) if s > 0 and em >= threshold), None)
 
 
@@ -170,19 +185,22 @@ def summarize(results: dict[str, list[dict]], threshold: Optional[float]) -> dic
 
     ``vs_grpo`` pairs runs by seed: a seed gives every method the same warm start and the same prompts at every
     step, and every evaluation scores the same held-out questions, so the per-seed difference to GRPO's run is the
-    comparison with the least noise; its interval is over those differences."""
-    finals = {label: [_curve(r)[-1][1] for r in rows] for label, rows in results.items()}
-    if threshold is None and finals:
-        base = "grpo" if "grpo" in finals else next(iter(finals))
+    comparison with the least noise; its interval is over those differences. Runs that never evaluated (held-out
+    EM off) leave their EM columns empty (None); the rest of the table is theirs as well."""
+    finals = {label: [em for em in map(final_em, rows) if em is not None] for label, rows in results.items()}
+    evaluated = [label for label, ems in finals.items() if ems]
+    if threshold is None and evaluated:
+        base = "grpo" if "grpo" in evaluated else evaluated[0]
         threshold = sum(finals[base]) / len(finals[base])
     grpo = results.get("grpo", [])
-    grpo_final = {r["seed"]: _curve(r)[-1][1] for r in grpo}
+    grpo_final = {r["seed"]: final_em(r) for r in grpo if final_em(r) is not None}
     grpo_mean = {r["seed"]: mean_after_start(r) for r in grpo if mean_after_start(r) is not None}
     grpo_steps = {r["seed"]: steps_to(r, threshold) for r in grpo if steps_to(r, threshold) is not None}
     table = {}
     for label, rows in results.items():
-        final, ci = mean_interval(finals[label])
-        start, _ = mean_interval([_curve(r)[0][1] for r in rows])
+        final, ci = mean_interval(finals[label]) if finals[label] else (None, None)
+        starts = [em for em in map(start_em, rows) if em is not None]
+        start = mean_interval(starts)[0] if starts else None
         speeds = [m for m in map(mean_after_start, rows) if m is not None]
         speed, speed_ci = mean_interval(speeds) if speeds else (None, None)
         reached = [s for s in (steps_to(r, threshold) for r in rows) if s is not None]
@@ -190,7 +208,7 @@ def summarize(results: dict[str, list[dict]], threshold: Optional[float]) -> dic
         shares = [r["ig_score_share"] for r in rows if r.get("ig_score_share") is not None]
         against = [r["against_outcome_frac"] for r in rows if r.get("against_outcome_frac") is not None]
         other = label != "grpo"
-        diffs, vs, vs_ci = _paired(rows, grpo_final, lambda r: _curve(r)[-1][1]) if other else ([], None, None)
+        diffs, vs, vs_ci = _paired(rows, grpo_final, final_em) if other else ([], None, None)
         _, vs_speed, vs_speed_ci = _paired(rows, grpo_mean, mean_after_start) if other else ([], None, None)
         pairs, vs_steps, vs_steps_ci = (_paired(rows, grpo_steps, lambda r: steps_to(r, threshold)) if other
                                         else ([], None, None))
@@ -294,7 +312,7 @@ def format_markdown(summary: dict, device: str, name: str) -> str:
              "vs GRPO | against outcome | s / step | IG scoring | judge calls / step |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, t in summary["methods"].items():
-        lines.append(f"| {label} | {len(t['seeds'])} | {t['start_em']:.3f} | "
+        lines.append(f"| {label} | {len(t['seeds'])} | {_fmt(t['start_em'])} | "
                      f"{_pm(t['final_em'], t['final_em_ci95'], '.3f')} | "
                      f"{_pm(t['vs_grpo'], t['vs_grpo_ci95'], '+.3f')} | "
                      f"{_pm(t.get('mean_em'), t.get('mean_em_ci95'), '.3f')} | "
@@ -385,6 +403,8 @@ def plot(results: dict[str, list[dict]], path: str, title: str) -> None:
         for label in labels:
             rows = results[label]
             steps = sorted(set.intersection(*(set(s for s, _ in _curve(r)) for r in rows)))
+            if not steps:  # held-out EM off: nothing to draw for this method
+                continue
             per = [[dict(_curve(r))[s] for r in rows] for s in steps]
             mean = [sum(v) / len(v) for v in per]
             base = label.split("+")[0]
@@ -395,7 +415,8 @@ def plot(results: dict[str, list[dict]], path: str, title: str) -> None:
                 ax.fill_between(steps, [min(v) for v in per], [max(v) for v in per], color=color, alpha=0.1)
         ax.set(xlabel="training step", ylabel="held-out EM (greedy)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # held-out EM off: no curves, no legend
+            ax.legend(fontsize=8)
     # the band's note on a line of its own: one line with a long device name runs past a one-panel figure
     fig.suptitle(title + ("\nband: lowest to highest seed" if any(len(r) > 1 for r in results.values()) else ""),
                  fontsize=11)

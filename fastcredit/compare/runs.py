@@ -216,8 +216,9 @@ class _Run:
             with open(result + ".tmp", "w", encoding="utf-8") as fh:
                 json.dump(summary, fh, indent=1)
             os.replace(result + ".tmp", result)
+            em = summary["eval_em"].get(str(summary["steps"]))
             print(f"{self.tag} {self.label} seed {self.seed}: "
-                  f"held-out EM {summary['eval_em'].get(str(summary['steps']))}"
+                  f"held-out EM {'not evaluated' if em is None else f'{em:.3f}'}"
                   f" after {summary['steps']} steps, {time.time() - self.t0:.0f} s", flush=True)
         return rc
 
