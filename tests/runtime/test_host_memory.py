@@ -23,7 +23,7 @@ def faults(rounds=6, mib=64):
 
 default = faults()
 why = keep_freed_memory()
-faults(1)  # the heap grows to the block once
+faults(20)  # the heap settles: a few rounds grow it, until what was freed around small blocks coalesces
 print(json.dumps({"default": default, "kept": faults(), "why": why}))
 """
 
@@ -35,8 +35,8 @@ def test_kept_host_memory_is_reused_without_page_faults():
     pages = 64 * 2**20 // 4096  # one 64 MiB block's 4 KiB pages
     assert got["why"] is None
     assert got["default"] >= 5 * pages  # glibc maps each block afresh, every round faults its pages in
-    # the same block again and again from the heap: at most one block's pages in the six rounds, against six
-    assert got["kept"] <= pages * 1.1
+    # the same block again and again from the settled heap: less than one block's pages in the six rounds
+    assert got["kept"] < pages
 
 
 def test_the_setting_says_what_it_came_to():
