@@ -31,7 +31,7 @@ M_MMAP_MAX = -4
 NEVER_TRIM = 2**31 - 1  # mallopt takes a C int: the heap's free top is trimmed only past 2 GiB
 
 
-def _glibc() -> Optional[ctypes.CDLL]:
+def glibc() -> Optional[ctypes.CDLL]:
     """The process's C library when it is glibc (the one whose ``mallopt`` this sets), else None."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -44,7 +44,7 @@ def _glibc() -> Optional[ctypes.CDLL]:
 def keep_freed_memory() -> Optional[str]:
     """Tell glibc's ``malloc`` to serve large blocks from the heap (no ``mmap``, so none is unmapped when freed)
     and never to trim the heap. Returns None when done, else why not (another C library, or ``mallopt`` refused)."""
-    libc = _glibc()
+    libc = glibc()
     if libc is None:
         return "the C library is not glibc"
     libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)

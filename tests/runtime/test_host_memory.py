@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fastcredit.runtime.host_memory import _glibc, host_memory_note
+from fastcredit.runtime.host_memory import glibc, host_memory_note
 
 PROBE = r"""
 import json, resource, torch
@@ -28,7 +28,7 @@ print(json.dumps({"default": default, "kept": faults(), "why": why}))
 """
 
 
-@pytest.mark.skipif(_glibc() is None, reason="the C library is not glibc, whose allocator this setting tunes")
+@pytest.mark.skipif(glibc() is None, reason="the C library is not glibc, whose allocator this setting tunes")
 def test_kept_host_memory_is_reused_without_page_faults():
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
@@ -42,6 +42,6 @@ def test_kept_host_memory_is_reused_without_page_faults():
 def test_the_setting_says_what_it_came_to():
     assert host_memory_note(False, on_cpu=True) is None
     assert host_memory_note("auto", on_cpu=False) is None  # a GPU run: the CUDA allocator keeps its own
-    if _glibc() is not None:
+    if glibc() is not None:
         assert "stays in the process" in host_memory_note("auto", on_cpu=True)
         assert "stays in the process" in host_memory_note(True, on_cpu=False)
