@@ -11,7 +11,7 @@ import pytest
 from fastcredit.compare.runs import summarize_run, train_command, variants
 from fastcredit.config import load_config
 from fastcredit.compare.report import (BEHAVIOUR_METRICS, CREDIT_METRICS, format_markdown, mean_interval, steps_to,
-                                       summarize)
+                                       summarize, write_report)
 from tests.commands import run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -205,8 +205,6 @@ def test_variants_and_summaries():
 def test_runs_without_held_out_evaluations_report_their_other_columns(tmp_path):
     """eval.every=0 eval.questions=0 (a timing comparison): the EM columns are empty, seconds per step, the IG
     share and the credit table are still the runs', and a run that did evaluate keeps its EM beside them."""
-    from fastcredit.compare.report import write_report
-
     silent = {"eval_em": {}, "steps": 60, "seconds_per_step": 3.0, "judge_calls_per_step": 0.0}
     t = summarize({"grpo": [{**silent, "seed": 0}, {**silent, "seed": 1}],
                    "igsearch": [{**silent, "seed": 0, "seconds_per_step": 5.0, "ig_score_share": 0.4}]}, None)

@@ -193,7 +193,7 @@ def summarize(results: dict[str, list[dict]], threshold: Optional[float]) -> dic
         base = "grpo" if "grpo" in evaluated else evaluated[0]
         threshold = sum(finals[base]) / len(finals[base])
     grpo = results.get("grpo", [])
-    grpo_final = {r["seed"]: final_em(r) for r in grpo if final_em(r) is not None}
+    grpo_final = {r["seed"]: em for r in grpo if (em := final_em(r)) is not None}
     grpo_mean = {r["seed"]: mean_after_start(r) for r in grpo if mean_after_start(r) is not None}
     grpo_steps = {r["seed"]: steps_to(r, threshold) for r in grpo if steps_to(r, threshold) is not None}
     table = {}
