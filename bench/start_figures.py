@@ -27,18 +27,23 @@ from typing import Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def trajectory_figures(labels: list[list[bool]], success: list[bool], group: list[int]) -> dict:
-    """The start figures of trajectories given, per trajectory, the good (True) / wasted (False) label of each
-    search turn in order, whether it succeeded, and its group id."""
+def trajectory_figures(labels: list[list], success: list[bool], group: list[int]) -> dict:
+    """The start figures of trajectories given, per trajectory, the label of each search turn in order (``good``,
+    ``wasted`` or ``harmful``, ``fastcredit.data.lookup.search_labels``; True / False stand for good / wasted),
+    whether it succeeded, and its group id. A *bad* search is a wasted or a harmful one."""
+    labels = [[{True: "good", False: "wasted"}.get(x, x) if isinstance(x, bool) else x for x in t] for t in labels]
     n = len(labels)
-    wasted = [not all(t) for t in labels]
-    good = [any(t) for t in labels]
-    repaired = [any(not a and any(t[k + 1:]) for k, a in enumerate(t)) for t in labels]
+    bad = [any(x != "good" for x in t) for t in labels]
+    wasted = [any(x == "wasted" for x in t) for t in labels]
+    harmful = [any(x == "harmful" for x in t) for t in labels]
+    good = [any(x == "good" for x in t) for t in labels]
+    repaired = [any(a != "good" and "good" in t[k + 1:] for k, a in enumerate(t)) for t in labels]
     groups: dict = {}
     for g, s in zip(group, success):
         groups.setdefault(g, []).append(s)
     wins = [k for k in range(n) if success[k]]
     losses = [k for k in range(n) if not success[k]]
+    searches = max(sum(len(t) for t in labels), 1)
 
     def share(keys, flag) -> Optional[float]:  # None: no such trajectory
         keys = list(keys)
@@ -50,13 +55,91 @@ def trajectory_figures(labels: list[list[bool]], success: list[bool], group: lis
         "all_fail_groups": sum(not any(v) for v in groups.values()) / max(len(groups), 1),
         "all_success_groups": sum(all(v) for v in groups.values()) / max(len(groups), 1),
         "searches_per_trajectory": sum(len(t) for t in labels) / max(n, 1),
-        "wasted_search_share": sum(t.count(False) for t in labels) / max(sum(len(t) for t in labels), 1),
+        "wasted_search_share": sum(t.count("wasted") for t in labels) / searches,
+        "harmful_search_share": sum(t.count("harmful") for t in labels) / searches,
         "successes_with_wasted_search": share(wins, wasted),
+        "successes_with_bad_search": share(wins, bad),
         "failures_with_good_search": share(losses, good),
+        "failures_with_harmful_search": share(losses, harmful),
         "trajectories_with_repair": share(range(n), repaired),
         "successes_with_repair": share(wins, repaired),
         "repairs": sum(repaired),
     }
+
+
+def retrieval_controls(searcher, examples: list, k: int) -> dict:
+    """The lookup world's retrieval controls over the distinct entities ``examples`` ask about: the share whose
+    gold query (``Sagul Gitris code``) retrieves the entity's passage within the run's top ``k``, and, of the
+    entities with a decoy, what the careless surname-only query (``Gitris code``) puts first: the entity, its
+    decoy, or another passage."""
+    from fastcredit.data.lookup import gold_query, surname_query
+    from fastcredit.data.toyqa import question_hops
+
+    hops = {h["subject"]: h for ex in examples for h in question_hops(ex)}
+    names = sorted(hops)
+    gold = searcher([gold_query(n) for n in names])
+    hit = [bool(set(hops[n]["passage_ids"]) & set(ids)) for n, (_, ids) in zip(names, gold)]
+    decoyed = [n for n in names if hops[n].get("decoy_ids")]
+    careless = searcher([surname_query(n) for n in decoyed])
+    first = [ids[0] if ids else None for _, ids in careless]
+    entity = sum(f in hops[n]["passage_ids"] for n, f in zip(decoyed, first))
+    decoy = sum(f in hops[n]["decoy_ids"] for n, f in zip(decoyed, first))
+    m = max(len(decoyed), 1)
+    return {"entities": len(names), f"gold_query_hit_at_{k}": sum(hit) / max(len(names), 1),
+            "careless_query_entity_first": entity / m, "careless_query_decoy_first": decoy / m,
+            "careless_query_other_first": (len(decoyed) - entity - decoy) / m}
+
+
+def lookup_controls(trainer, parts, cfg, info) -> dict:
+    """The lookup world's controls: held-out EM with every search's observation removed and with random passages
+    in its place (closed book: near chance if the answers come from retrieval), and :func:`retrieval_controls` on
+    the held-out and the training questions."""
+    from dataclasses import replace
+
+    from fastcredit.rollout.agent import searcher_session
+    from fastcredit.trainer.placement import evaluate_heldout
+
+    out = {}
+    for mode in ("none", "shuffled"):
+        t0 = time.time()
+        closed = replace(cfg, eval=replace(cfg.eval, observations=mode))
+        em = evaluate_heldout(parts, closed, info, trainer.run.timer).get("eval/em")
+        out[f"greedy_heldout_em_observations_{mode}"] = em
+        print(f"greedy held-out EM with observations {mode}: {em:.3f} ({time.time() - t0:.0f} s)", flush=True)
+    with searcher_session(parts.rollout.searcher):
+        for split, examples in (("heldout", parts.shared.data.test), ("train", parts.shared.data.train)):
+            got = retrieval_controls(parts.rollout.searcher, examples, cfg.retrieval.topk)
+            out.update({f"{split}_{k}": v for k, v in got.items()})
+    return out
+
+
+def ig_openings(trainer, parts, cfg, info, result, examples) -> dict:
+    """IG-Search's two answer openings on the sampled batch (``credit.igsearch.opening``, docs/methods.md §11):
+    the gold answer's mean log-prob per token after each real observation, after the drawn counterfactual ones,
+    and the mean gain, with the released opening (``\\n<answer>`` right after the observation) and with the
+    policy's own (its think, then ``\\n<answer>``)."""
+    import math
+    import random
+
+    from fastcredit.trainer.igscore import draw_observations, policy_thinks, score_information_gain
+
+    golds = [list(ex.golden_answers) for ex in examples]
+    draws = draw_observations(result.batch, cfg.credit.igsearch.n_random, random.Random(cfg.seed))
+    with parts.phases.rollout(weights=parts.weights):
+        thinks = policy_thinks(parts.rollout.engine.generate, result.prompt_ids, result.batch, draws,
+                               cfg.rollout.max_action_tokens)
+    out = {}
+    for name, opening in (("released", None), ("policy", thinks)):
+        extras, m = score_information_gain(trainer.parts.training.policy, result.prompt_ids, result.batch, golds,
+                                           parts.shared.tokenizer, cfg.credit.igsearch, info.device,
+                                           cfg.optim.micro_batch_tokens, cfg.rollout.temperature, draws=draws,
+                                           thinks=opening)
+        ig = [x for x in extras["ig_S"].tolist() if not math.isnan(x)]
+        out[f"ig_{name}_gold_logp_real"] = m.get("ig/logp_real_mean")
+        out[f"ig_{name}_gold_logp_counterfactual"] = m.get("ig/logp_baseline_mean")
+        out[f"ig_{name}_gain_mean"] = sum(ig) / len(ig) if ig else None
+    out["ig_policy_think_closed"] = m.get("ig/opening_think_closed")
+    return out
 
 
 def parse_args(argv):
@@ -79,7 +162,7 @@ def main(argv=None) -> int:
     from bench.results_io import device_name, write_results
     from fastcredit.config import ConfigError, load_config
     from fastcredit.credit.types import TurnKind
-    from fastcredit.data.toyqa import new_hop_turns
+    from fastcredit.data.lookup import search_labels
     from fastcredit.distributed.process_group import init_distributed, shutdown
     from fastcredit.rollout.agent import searcher_session
     from fastcredit.trainer.checks import check_run
@@ -122,12 +205,15 @@ def main(argv=None) -> int:
     print(f"sampled {len(examples)} trajectories in {time.time() - t0:.0f} s", flush=True)
     labels = []
     for episode, ex in zip(result.episodes, examples):
-        good = new_hop_turns(ex, [s.retrieved_ids for s in episode.steps])
-        labels.append([g for g, s in zip(good, episode.steps) if s.kind == TurnKind.SEARCH])
+        got = search_labels(ex, [s.retrieved_ids for s in episode.steps])
+        labels.append([g for g, s in zip(got, episode.steps) if s.kind == TurnKind.SEARCH])
     figures = trajectory_figures(labels, [bool(e) for e in result.batch.em_B.tolist()],
                                  result.batch.group_id_B.tolist())
     figures["greedy_heldout_em"] = heldout.get("eval/em")
     figures["heldout_questions"] = min(cfg.eval.questions, len(parts.shared.data.test))
+    if cfg.data.toy.kind == "lookup":
+        figures.update(lookup_controls(trainer, parts, cfg, info))
+        figures.update(ig_openings(trainer, parts, cfg, info, result, examples))
     trainer.logger.close()
     shutdown(info)  # FSDP2's one-process group
     device = device_name()

@@ -184,6 +184,8 @@ def _config_fingerprint(cfg: TrainConfig) -> str:
                        if k in ("max_turns", "max_action_tokens", "max_obs_tokens", "max_response_tokens", "mode")},
            "retrieval": {k: v for k, v in asdict(cfg.retrieval).items()
                          if k in ("backend", "url", "corpus", "index", "encoder", "topk", "max_passage_tokens")}}
+    if cfg.eval.observations != "real":  # a closed-book control (real searches keep the fingerprint they had)
+        key["observations"] = cfg.eval.observations
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -199,6 +201,7 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
     import time
 
     import torch
+    from fastcredit.data.lookup import turn_budget
     from fastcredit.data.prompts import example_prompt_ids
     from fastcredit.distributed.process_group import max_over_ranks
     from fastcredit.rollout.agent import searcher_session
@@ -214,7 +217,8 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
     if in_domain is None:
         in_domain = _training_sources(cfg) if run is not None or cfg.data.source == "toy" else None
         in_domain = in_domain if in_domain is not None else set(SEARCHR1_IN_DOMAIN)
-    out = out or _default_out(model, run, step, data_path)
+    out = out or _default_out(model, run, step, data_path) + (
+        f"-observations-{cfg.eval.observations}" if cfg.eval.observations != "real" else "")
     meta = {"model": os.path.abspath(folder), "step": step, "data": _file_id(data_path) if os.path.isfile(data_path)
             else os.path.abspath(data_path), "split": split, "limit": limit, "seed": cfg.seed,
             "config": _config_fingerprint(cfg)}
@@ -233,7 +237,8 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
     seconds = 0.0
     if max_over_ranks(len(todo), info):  # every rank opens its engine and index share when any rank has work
         tokenizer, gen, searcher, kind, device = open_policy(cfg, folder, corpus, engine, progress and info.is_main,
-                                                             info, make_engine=engine_factory)
+                                                             info, make_engine=engine_factory,
+                                                             observations=cfg.eval.observations)
         if info.is_main:
             ranks = f" ({info.world_size} ranks, each its shard)" if info.distributed else ""
             print(f"evaluating {folder} on {data_path} ({len(chosen)} questions, "
@@ -245,7 +250,8 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
         def roll(idx: list) -> list:
             exs = [examples[i] for i in idx]
             prompts = example_prompt_ids(tokenizer, exs, d.prompt_source, d.prompt_template, cfg.model.chat_template)
-            return score_records(loop.run(prompts).episodes, exs, idx)
+            metas = [{"max_turns": turn_budget(ex)} for ex in exs]  # a lookup question's own budget
+            return score_records(loop.run(prompts, metas=metas).episodes, exs, idx)
 
         mine = chosen[info.rank::info.world_size]
         bar = progress_bar(total=len(mine), initial=sum(i in cache.done for i in mine), unit="q",

@@ -38,6 +38,8 @@ CREDIT_METRICS = {"turn_auc": "turn AUC", "turn_auc_within": "AUC within traject
 # that keeps wasted searches which still succeed (what the turn-level papers say outcome-only GRPO reinforces)
 # makes more searches and turns per trajectory for the same EM.
 BEHAVIOUR_METRICS = {"searches_per_traj": "searches / trajectory", "turns_per_traj": "turns / trajectory",
+                     "searches/wasted_per_traj": "wasted searches / trajectory",
+                     "searches/harmful_per_traj": "harmful searches / trajectory",
                      "response_tokens_mean": "response tokens", "em": "sampled EM", "format_ok": "well-formed"}
 STRETCH = 10  # training steps averaged at the start and at the end of a run for the third table
 
@@ -305,7 +307,8 @@ def format_markdown(summary: dict, device: str, name: str) -> str:
              "final mean): mean over the seeds that reach it, and its per-seed difference to GRPO over the seeds "
              "where both reach it. *Against outcome*: share of advantage tokens whose sign is opposite to their "
              "trajectory's outcome in its group (0 for GRPO). *Mean EM*: the mean over the evaluations after step "
-             "0 (learning speed), with its per-seed difference to GRPO. *s / step*: the median over a run's steps, "
+             "0, the area under the EM curve over the run's length (learning speed), with its per-seed difference to "
+             "GRPO. *s / step*: the median over a run's steps, "
              "then the mean over seeds; *IG scoring*: the share of a step IG-Search's scoring forward takes "
              "(`time/ig_score` over `time/step` in each step, its median, then the mean over seeds).", "",
              "| method | seeds | EM at start | final EM | vs GRPO | mean EM | vs GRPO | steps to threshold (reached) | "
@@ -364,8 +367,10 @@ def behaviour_markdown(summary: dict) -> list[str]:
     spec = lambda name: ".1f" if name == "response_tokens_mean" else ".3f"  # noqa: E731
     lines = ["## What the policy does", "",
              f"Over the sampled training trajectories: the mean over the first {STRETCH} training steps → the mean "
-             f"over the last {STRETCH}, each averaged over seeds, the end ± its 95% interval. *Well-formed*: the "
-             "share of trajectories that follow the tag format. –: the runs logged none.", "",
+             f"over the last {STRETCH}, each averaged over seeds, the end ± its 95% interval. *Wasted* and *harmful* "
+             "searches: by the toy world's gold labels (a wasted search finds nothing new; a harmful one finds a "
+             "needed entity's decoy, the lookup world's only). *Well-formed*: the share of trajectories that follow "
+             "the tag format. –: the runs logged none.", "",
              "| method | " + " | ".join(BEHAVIOUR_METRICS.values()) + " |", "|---|" + "---:|" * len(BEHAVIOUR_METRICS)]
     for label, t in summary["methods"].items():
         start, end, ci = t.get("behaviour_start") or {}, t.get("behaviour") or {}, t.get("behaviour_ci95") or {}

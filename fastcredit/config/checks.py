@@ -42,6 +42,20 @@ def shard_size_rule(d) -> Rule:
             "over all ranks); leave it at -1")
 
 
+def lookup_turns_rule(cfg) -> Rule:
+    """A lookup world's longest turn budget (``max_k + slack`` searches and the answer) fits in
+    ``rollout.max_turns``."""
+    d = cfg.data
+    if d.source != "toy" or d.toy.kind != "lookup":
+        return True, ""
+    need = d.toy.lookup.max_k + d.toy.lookup.slack + 1
+    return (cfg.rollout.max_turns >= need,
+            f"rollout.max_turns={cfg.rollout.max_turns} is too few turns for data.toy.lookup.max_k="
+            f"{d.toy.lookup.max_k}: a question about {d.toy.lookup.max_k} entities has a budget of "
+            f"{d.toy.lookup.max_k} + data.toy.lookup.slack={d.toy.lookup.slack} searches and the answer; set "
+            f"rollout.max_turns to at least {need}")
+
+
 def raise_broken(rules: Iterable[Rule]) -> None:
     """A ConfigError with the message of the first rule that does not hold."""
     for ok, message in rules:
@@ -61,6 +75,19 @@ def check_rules(cfg) -> None:
         (d.source == "toy" or cfg.warmstart.detour_fraction == 0,
          f"warmstart.detour_fraction={cfg.warmstart.detour_fraction} needs data.source=toy (detours search the toy "
          f"world's twins and relations), got data.source={d.source}"),
+        (d.source != "toy" or d.toy.kind == "chain" or cfg.warmstart.detour_fraction == 0,
+         f"warmstart.detour_fraction={cfg.warmstart.detour_fraction} is the chain world's (detours search twins and "
+         "other relations); the lookup world's demonstrator errs through warmstart.waste_prob and "
+         "warmstart.misquery_prob"),
+        ((d.source == "toy" and d.toy.kind == "lookup")
+         or cfg.warmstart.waste_prob == cfg.warmstart.misquery_prob == 0,
+         f"warmstart.waste_prob={cfg.warmstart.waste_prob} and warmstart.misquery_prob="
+         f"{cfg.warmstart.misquery_prob} need data.source=toy with data.toy.kind=lookup (the lookup world's "
+         "demonstrator)"),
+        (cfg.warmstart.waste_prob + cfg.warmstart.misquery_prob <= 1,
+         f"warmstart.waste_prob ({cfg.warmstart.waste_prob}) and warmstart.misquery_prob "
+         f"({cfg.warmstart.misquery_prob}) add up to more than 1"),
+        lookup_turns_rule(cfg),
         tiny_heads_rule(m, m.policy == "tiny"),
         (m.policy != "tiny" or m.tiny_heads % (m.tiny_kv_heads or m.tiny_heads) == 0,
          f"model.tiny_heads={m.tiny_heads} must be a multiple of model.tiny_kv_heads={m.tiny_kv_heads}"),

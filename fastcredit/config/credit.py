@@ -101,6 +101,10 @@ class IGSearchConfig:
                         range=COUNT)
     max_golds: int = opt(3, "score at most this many of a question's gold answers (the best one is kept)",
                          range=COUNT)
+    opening: Literal["released", "policy"] = opt(
+        "released", "what comes between a scored context's observation and the gold answer: released, IG-Search's "
+                    "code's '\\n<answer> '; policy, the think the policy itself writes there (greedy, up to "
+                    "</think>, by the rollout engine), then '\\n<answer> ' (docs/methods.md §11)")
 
 
 @dataclass
@@ -114,8 +118,9 @@ class DynamicSamplingConfig:
 class CreditConfig:
     estimator: Literal["grpo", "ppo", "criticsearch", "cwgrpo", "proceed", "pica", "gigpo", "igsearch"] = opt(
         "grpo", "advantage estimator (docs/methods.md sections 1-6, 10 and 11)")
-    reward: Literal["criticsearch", "em", "f1", "f1_format"] = opt(
-        "criticsearch", "outcome reward: CriticSearch Eq. 4, plain EM, F1, or F1 + format (PiCA)")
+    reward: Literal["auto", "criticsearch", "em", "f1", "f1_format"] = opt(
+        "auto", "outcome reward: CriticSearch Eq. 4, plain EM, F1, or F1 + format (PiCA); auto: Eq. 4, or plain EM on "
+                "the lookup toy world (data.toy.kind=lookup), whose study of credit pays no format bonus")
     lambda_f: float = opt(0.2, "format weight of CriticSearch Eq. 4", range=UNIT)
     format_bonus: float = opt(0.2, "format reward added to F1 by the f1_format reward", range=NONNEG)
     norm_by_std: bool = opt(True, "divide group advantages by the group's std (false: Dr. GRPO)")
@@ -134,3 +139,11 @@ class CreditConfig:
     gigpo: GiGPOConfig = opt(GiGPOConfig, "GiGPO switches")
     igsearch: IGSearchConfig = opt(IGSearchConfig, "IG-Search's information gain and its mapping to advantages")
     dynamic_sampling: DynamicSamplingConfig = opt(DynamicSamplingConfig, "DAPO dynamic sampling")
+
+
+def outcome_reward(cfg) -> str:
+    """The outcome reward a run pays (``credit.reward``, ``auto`` resolved): ``cfg`` is the whole TrainConfig."""
+    if cfg.credit.reward != "auto":
+        return cfg.credit.reward
+    lookup = cfg.data.source == "toy" and cfg.data.toy.kind == "lookup"
+    return "em" if lookup else "criticsearch"

@@ -263,6 +263,12 @@ class WarmStartConfig:
     detour_fraction: float = opt(0.0, "share of the oracle trajectories given one detour: a wrong search (a twin's "
                                       "or another relation's sub-query, checked to miss), a think that names the "
                                       "miss, then the right search (toy world; fastcredit.data.detours)", range=UNIT)
+    waste_prob: float = opt(0.0, "lookup world: the demonstrator's chance, at each search, of wasting it on an entity "
+                                 "it has already found or one the question does not name (while a spare search is "
+                                 "left; fastcredit.data.lookup_demos)", range=UNIT)
+    misquery_prob: float = opt(0.0, "lookup world: the demonstrator's chance, at each search, of searching the needed "
+                                    "entity's surname only and taking the code of whatever comes first, the entity "
+                                    "or its decoy", range=UNIT)
     seed: Optional[int] = opt(None, "seed of the warm start: the tiny policy's initialisation and the order of the "
                                     "supervised pass (null: the run seed); runs that differ only in their run seed "
                                     "share a warm start when this is set", range=SEED)
@@ -289,6 +295,10 @@ class EvalConfig:
     every: int = opt(0, "steps between evaluations (0: none during training; the policy trainer also "
                         "evaluates before and after training, a PRM's after)",
                      range=NONNEG, note="0: none during training")
+    observations: Literal["real", "none", "shuffled"] = opt(
+        "real", "what a held-out search returns: the retriever's passages; none, an empty <information> block; "
+                "shuffled, passages drawn at random from the corpus (closed-book controls: how much of held-out EM "
+                "comes from retrieval; training rollouts always search for real)")
     seed: Optional[int] = opt(None, "seed that picks the held-out questions (null: the run seed); runs that differ "
                                     "only in their run seed score the same questions when this is set", range=SEED)
 

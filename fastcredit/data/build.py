@@ -6,9 +6,10 @@ Search-R1 / FlashRAG files.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from fastcredit.config import ConfigError, TrainConfig
+from fastcredit.config.toy import world_key
 from fastcredit.data.loaders import DataError, load_qa
 from fastcredit.runtime.files import built_from, mark_built, wait_for_built
 
@@ -47,7 +48,7 @@ def _read(cfg: TrainConfig, rank: int) -> Data:
         from fastcredit.data.toyworld import generate_world, write_world
 
         folder = cfg.data.world_dir
-        key = {"toy": asdict(cfg.data.toy)}
+        key = {"toy": world_key(cfg.data.toy)}
         if rank == 0 and not built_from(folder, key):
             import shutil
 

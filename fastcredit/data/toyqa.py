@@ -36,6 +36,8 @@ RELATIONS = {
     "headquartered_in": Relation("company", "city", "{s} has its headquarters in {o}.", "{s} headquarters"),
     "lead_singer": Relation("band", "person", "The lead singer of {s} is {o}.", "{s} lead singer"),
     "formed_in": Relation("band", "city", "{s} was formed in {o}.", "{s} formed in"),
+    # the lookup world's one relation (fastcredit.data.lookup): no chain question follows it
+    "code": Relation("entity", "code", "{s} has the code {o}.", "{s} code"),
 }
 
 # (relation chain, question). The chain starts at the entity named {x}; its end is the answer.

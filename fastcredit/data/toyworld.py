@@ -30,6 +30,7 @@ import json
 import os
 import random
 import sys
+import typing
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -37,7 +38,7 @@ from fastcredit.data.loaders import (
     DataError, QAExample, iter_corpus, load_toyworld, write_searchr1_parquet,
 )
 from fastcredit.data.toyqa import RELATIONS, make_questions, question_hops
-from fastcredit.config.toy import ToyWorldConfig, check_toy_world
+from fastcredit.config.toy import LookupWorldConfig, ToyWorldConfig, check_toy_world, toy_world_config, world_key
 from fastcredit.runtime.files import atomic_output
 
 TYPES = ("person", "city", "country", "university", "company", "band")
@@ -248,10 +249,18 @@ def _make_passages(cfg: ToyWorldConfig, ents: dict, rng: random.Random) -> tuple
 
 
 def generate_world(cfg: Optional[ToyWorldConfig] = None) -> ToyWorld:
-    """Build the world in memory; everything follows from ``cfg`` (one ``random.Random(cfg.seed)``)."""
+    """Build the world in memory; everything follows from ``cfg`` (one ``random.Random(cfg.seed)``). A lookup world
+    (``cfg.kind``) is made by ``fastcredit.data.lookup``."""
     cfg = cfg or ToyWorldConfig()
     check_toy_world(cfg)  # a ConfigError, a ValueError, naming the setting
     rng = random.Random(cfg.seed)
+    if cfg.kind == "lookup":
+        from fastcredit.data.lookup import lookup_examples, make_lookup_world
+
+        ents, texts, facts, splits = make_lookup_world(cfg, rng)
+        examples = lookup_examples(splits, DATA_SOURCE)
+        passages = [Passage(str(pid), title, text) for pid, (title, text) in enumerate(texts)]
+        return ToyWorld(cfg, ents, passages, facts, examples["train"], examples["test"])
     ents = _make_entities(cfg, rng)
     passages, facts = _make_passages(cfg, ents, rng)
     questions = make_questions(cfg, ents, facts, rng)
@@ -266,7 +275,12 @@ def generate_world(cfg: Optional[ToyWorldConfig] = None) -> ToyWorld:
 
 
 def summarize(world: ToyWorld) -> dict:
-    """Counts: entities by type, twins, passages (fact / distractor), questions by split and hops."""
+    """Counts: entities by type, twins, passages (fact / distractor), questions by split and hops (a lookup world:
+    ``fastcredit.data.lookup.lookup_summary``)."""
+    if world.config.kind == "lookup":
+        from fastcredit.data.lookup import lookup_summary
+
+        return lookup_summary(world.config, world.entities, world.passages, world.train, world.test)
     fact_ids = {pid for ids in world.facts.values() for pid in ids}
     hops = [len(question_hops(q)) for q in world.questions]
     return {
@@ -307,7 +321,7 @@ def write_world(world: ToyWorld, out_dir: str) -> dict:
         _write_bytes(os.path.join(out_dir, f"{split}.jsonl"), _jsonl(ex.to_record() for ex in examples))
         write_searchr1_parquet(examples, os.path.join(out_dir, f"{split}.parquet"), split=split)
     summary = summarize(world)
-    doc = {"config": dataclasses.asdict(world.config), "summary": summary,
+    doc = {"config": world_key(world.config), "summary": summary,
            "entities": world.entities, "facts": world.facts}
     _write_bytes(os.path.join(out_dir, "world.json"), _dump(doc))
     _write_bytes(os.path.join(out_dir, "summary.json"), _dump(summary))
@@ -320,7 +334,7 @@ def load_world(out_dir: str) -> ToyWorld:
     try:
         with open(path, encoding="utf-8") as fh:
             doc = json.load(fh)
-        cfg = ToyWorldConfig(**doc["config"])
+        cfg = toy_world_config(doc["config"])
         entities, facts = doc["entities"], doc["facts"]
     except FileNotFoundError:
         raise DataError(f"{path}: no such file (not a toy-world folder?)") from None
@@ -334,18 +348,30 @@ def load_world(out_dir: str) -> ToyWorld:
     return ToyWorld(cfg, entities, passages, facts, load_toyworld(out_dir, "train"), load_toyworld(out_dir, "test"))
 
 
+def _flags(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name
+        if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None) or f.name == "lookup":
+            _flags(parser, LookupWorldConfig, name + "_")
+            continue
+        choices = typing.get_args(typing.get_type_hints(cls)[f.name]) or None
+        default = f.default
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, choices=choices,
+                            help=f"{f.metadata['help']} (default {default})")
+
+
 def main(argv: Optional[list] = None) -> int:
     """The command line: generate, write, print the summary; exit status 2 on a bad config."""
     parser = argparse.ArgumentParser(prog="python -m fastcredit.data.toyworld",
                                      description="Write the toy world's files.")
     parser.add_argument("--out", required=True, help="output folder")
-    for f in dataclasses.fields(ToyWorldConfig):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
-                            help=f"{f.metadata['help']} (default {f.default})")
-    args = parser.parse_args(argv)
-    cfg = ToyWorldConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ToyWorldConfig)})
+    _flags(parser, ToyWorldConfig)
+    args = vars(parser.parse_args(argv))
+    lookup = LookupWorldConfig(**{f.name: args[f"lookup_{f.name}"] for f in dataclasses.fields(LookupWorldConfig)})
+    cfg = ToyWorldConfig(**{f.name: args[f.name] for f in dataclasses.fields(ToyWorldConfig) if f.name != "lookup"},
+                         lookup=lookup)
     try:
-        summary = write_world(generate_world(cfg), args.out)
+        summary = write_world(generate_world(cfg), args["out"])
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

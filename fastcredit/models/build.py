@@ -37,17 +37,37 @@ def run_tokenizer(cfg: TrainConfig, data, out_dir: str, rank: int = 0):
     corpus = os.stat(data.corpus)
     key = {"vocab": cfg.model.tiny_vocab, "template": cfg.data.prompt_template, "corpus": data.corpus,
            "corpus_bytes": corpus.st_size, "corpus_mtime_ns": corpus.st_mtime_ns, "train_questions": len(data.train)}
+    held_out = held_out_passages(data)
+    if held_out:
+        key["held_out_passages"] = len(held_out)
     if rank == 0 and not built_from(folder, key):
         from fastcredit.data.loaders import iter_corpus
         from fastcredit.data.prompts import build_prompt
         from fastcredit.data.tokenizer import build_tiny_tokenizer
 
-        texts = [f'Doc 1(Title: "{t}") {x}' for _, t, x in iter_corpus(data.corpus)]
+        texts = [f'Doc 1(Title: "{t}") {x}' for pid, t, x in iter_corpus(data.corpus) if pid not in held_out]
         texts += [build_prompt(ex.question, cfg.data.prompt_template) for ex in data.train]
         build_tiny_tokenizer(texts, cfg.model.tiny_vocab, folder)
         mark_built(folder, key)
     wait_for_built(folder, key)
     return AutoTokenizer.from_pretrained(folder)
+
+
+def held_out_passages(data) -> set:
+    """The lookup world's passages of held-out entities (those only held-out questions ask about), which the tiny
+    tokenizer is not fitted to: it then holds no token that only a held-out passage shows, as a real tokenizer was
+    never fitted to an entity it never saw. Empty for any other data (the chain world's held-out questions share
+    its entities)."""
+    from fastcredit.data.lookup import is_lookup
+    from fastcredit.data.toyqa import gold_fact_passages
+
+    if not data.test or not all(is_lookup(ex) for ex in data.test):
+        return set()
+
+    def cited(examples) -> set:
+        return {pid for ex in examples for ids in gold_fact_passages(ex) for pid in ids}
+
+    return cited(data.test) - cited(data.train)
 
 
 def loads_on_rank0(cfg: TrainConfig, info) -> bool:

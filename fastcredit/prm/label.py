@@ -289,14 +289,15 @@ def _judge(cfg: TrainConfig, gen, device):
 def sample_trajectories(cfg: TrainConfig, loop, exs: list, n: int, seed_base: int):
     """``n`` trajectories of each of ``exs`` through ``loop`` (an ``AgentLoop``), trajectory ``j`` sampled with seed
     ``seed_base + j``: ``(episodes, the example of each, the sample index of each)``."""
+    from fastcredit.data.lookup import turn_budget
     from fastcredit.data.prompts import example_prompt_ids
 
     rep = [ex for ex in exs for _ in range(n)]
     ks = [k for _ in exs for k in range(n)]
     d = cfg.data
     prompts = example_prompt_ids(loop.tokenizer, rep, d.prompt_source, d.prompt_template, cfg.model.chat_template)
-    metas = [{"question": ex.question, "golds": ex.golden_answers, "example": ex, "seed": (seed_base + j) % 2**31}
-             for j, ex in enumerate(rep)]
+    metas = [{"question": ex.question, "golds": ex.golden_answers, "example": ex, "seed": (seed_base + j) % 2**31,
+              "max_turns": turn_budget(ex)} for j, ex in enumerate(rep)]
     return loop.run(prompts, metas=metas).episodes, rep, ks
 
 

@@ -83,3 +83,63 @@ def make_searcher(cfg: TrainConfig, tokenizer, corpus: str, progress: bool = Tru
     ranks = {} if info is None else {"rank": info.rank, "world_size": info.world_size, "group": info.group}
     retriever = from_config(r, tokenizer=tokenizer, corpus=corpus, progress=progress, device=own, **ranks)
     return retriever_searcher(retriever, r.topk, r.max_passage_tokens, cfg.rollout.max_obs_tokens), retriever
+
+
+def ablated_searcher(mode: str, searcher: Searcher, retriever, tokenizer, k: int, max_passage_tokens: Optional[int],
+                     max_obs_tokens: Optional[int], seed: int = 0) -> Searcher:
+    """The closed-book controls of an evaluation (``eval.observations``): ``real`` gives ``searcher`` back; ``none``
+    answers every search with an empty ``<information></information>`` block (no passage); ``shuffled`` with ``k``
+    passages drawn at random from the corpus (the in-process ``retriever``'s), seeded by ``seed`` and the query's
+    text, so an observation has a real one's form and length but nothing the query asked for. Either shows how
+    much of a held-out score comes from retrieval."""
+    if mode == "real":
+        return searcher
+    if mode == "none":
+        from fastcredit.retrieval.observation import information_block
+
+        empty = list(tokenizer(information_block(""), add_special_tokens=False)["input_ids"])
+
+        def blank(queries: list[str]) -> list[tuple[list[int], list[str]]]:
+            return [(list(empty), []) for _ in queries]
+
+        return blank
+    if mode != "shuffled":
+        raise ValueError(f"unknown observations mode {mode!r}; valid: real, none, shuffled")
+    if retriever is None:
+        from fastcredit.config import ConfigError
+
+        raise ConfigError("eval.observations=shuffled draws passages from the in-process index; it needs "
+                          "retrieval.backend=local")
+    import hashlib
+
+    n = len(retriever.corpus)
+
+    def shuffled(queries: list[str]) -> list[tuple[list[int], list[str]]]:
+        if not queries:
+            return []
+        rows = []
+        for q in queries:
+            key = int.from_bytes(hashlib.blake2b(f"{seed}\x1f{q}".encode(), digest_size=8).digest(), "big") >> 1
+            rows.append(torch.randint(n, (k,), generator=torch.Generator().manual_seed(key)))
+        rows = torch.stack(rows)
+        ids, cu = retriever.observation_tokens(None, k, max_passage_tokens, max_obs_tokens, rows=rows)
+        ids, cu = ids.cpu().tolist(), cu.cpu().tolist()
+        return [(ids[cu[i]:cu[i + 1]], [retriever.corpus.id(r) for r in rows[i].tolist()]) for i in range(len(queries))]
+
+    shuffled.torch_device = getattr(searcher, "torch_device", torch.device("cpu"))
+    return shuffled
+
+
+def eval_searcher(cfg: TrainConfig, searcher: Searcher, retriever, tokenizer, distributed: bool = False) -> Searcher:
+    """What held-out searches go to: the rollout's ``searcher``, or the closed-book control ``eval.observations``
+    names (:func:`ablated_searcher`), seeded by the evaluation's seed. A shuffled control draws from one process's
+    whole index: not under torchrun (``distributed``) with ``retrieval.across_ranks=shard``."""
+    mode = cfg.eval.observations
+    if mode == "shuffled" and distributed and cfg.retrieval.across_ranks == "shard":
+        from fastcredit.config import ConfigError
+
+        raise ConfigError("eval.observations=shuffled draws from one process's whole index; under torchrun set "
+                          "retrieval.across_ranks=replicate")
+    r = cfg.retrieval
+    return ablated_searcher(mode, searcher, retriever, tokenizer, r.topk, r.max_passage_tokens,
+                            cfg.rollout.max_obs_tokens, seed=cfg.eval.seed_for(cfg.seed))

@@ -141,7 +141,7 @@ class Episode:
         kind, query = classify_action(text, out) if self.limits.stop_at_tags else classify_searchr1(text)
         step = StepInfo(kind, text, query)
         out_of_length = self.response_len + len(ids) >= self.limits.max_response_tokens
-        last_turn = len(self.turns) + 1 >= self.limits.max_turns
+        last_turn = len(self.turns) + 1 >= self.max_turns
         if kind != TurnKind.ANSWER and (out_of_length or last_turn):
             kind = step.kind = TurnKind.TRUNCATED
         if kind in (TurnKind.ANSWER, TurnKind.TRUNCATED):
@@ -190,6 +190,13 @@ class Episode:
         self.context += ids + obs
         self.logprobs += lps + [0.0] * len(obs)
         self.response_len += len(ids) + len(obs)
+
+    @property
+    def max_turns(self) -> int:
+        """The trajectory's action budget: ``rollout.max_turns``, or its question's own budget where that is smaller
+        (``meta["max_turns"]``: the lookup world's K + slack searches and the answer)."""
+        own = self.meta.get("max_turns")
+        return self.limits.max_turns if own is None else min(self.limits.max_turns, int(own))
 
     @property
     def action_texts(self) -> list[str]:

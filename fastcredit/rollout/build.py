@@ -150,12 +150,12 @@ def engine_from_folder(kind: str, folder: str, tokenizer, cfg: TrainConfig, devi
 
 
 def open_policy(cfg: TrainConfig, folder: str, corpus: str, engine: str = "auto", progress: bool = True,
-                info=None, make_engine: Callable = engine_from_folder):
+                info=None, make_engine: Callable = engine_from_folder, observations: str = "real"):
     """``(tokenizer, engine, searcher, engine kind, device)``: the model in ``folder`` ready to roll out on this
     process's device with the config's retriever (``engine``: auto | vllm | hf; ``make_engine(kind, folder,
     tokenizer, cfg, device)`` builds it). ``info``: under torchrun, this rank's DistInfo: its own GPU, and the
     retrieval index split over the ranks as training splits it (``retrieval.across_ranks``; every rank must call
-    this together)."""
+    this together). ``observations``: an evaluation's closed-book control (``eval.observations``; ``real``: none)."""
     from fastcredit.data.tokenizer import load_tokenizer
     from fastcredit.retrieval.searcher import make_searcher
 
@@ -164,8 +164,15 @@ def open_policy(cfg: TrainConfig, folder: str, corpus: str, engine: str = "auto"
     kind = pick_engine(engine)
     gen = make_engine(kind, folder, tokenizer, cfg, device)
     try:
-        searcher, _ = make_searcher(cfg, tokenizer, corpus, progress=progress, device=device,
-                                    info=info if info is not None and info.distributed else None)
+        searcher, retriever = make_searcher(cfg, tokenizer, corpus, progress=progress, device=device,
+                                            info=info if info is not None and info.distributed else None)
+        if observations != "real":
+            from dataclasses import replace
+
+            from fastcredit.retrieval.searcher import eval_searcher
+
+            searcher = eval_searcher(replace(cfg, eval=replace(cfg.eval, observations=observations)), searcher,
+                                     retriever, tokenizer, info is not None and info.distributed)
     except BaseException:
         gen.close()
         raise

@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 
 from fastcredit.credit.accuracy import credit_accuracy_metrics, judge_turn_labels
-from fastcredit.credit.types import CreditInputs, CreditResult
+from fastcredit.credit.types import CreditInputs, CreditResult, TurnKind
+from fastcredit.data.lookup import GOOD, HARMFUL, WASTED, search_labels
 from fastcredit.data.toyqa import new_hop_turns, question_hops
 
 
@@ -30,6 +31,21 @@ def gold_turn_labels(episodes, examples) -> Optional[torch.Tensor]:
     for e, ex in zip(episodes, examples):
         labels += new_hop_turns(ex, [s.retrieved_ids for s in e.steps])
     return torch.tensor(labels, dtype=torch.float64)
+
+
+def search_label_metrics(episodes, examples) -> dict:
+    """``searches/{good,wasted,harmful}_per_traj``: the step's search turns by their gold label
+    (``fastcredit.data.lookup.search_labels``; harmful needs the lookup world's decoys, so the chain world logs 0
+    there), per trajectory; empty unless every question carries gold hops."""
+    if not examples or not all(question_hops(ex) for ex in examples):
+        return {}
+    counts = {GOOD: 0, WASTED: 0, HARMFUL: 0}
+    for e, ex in zip(episodes, examples):
+        labels = search_labels(ex, [s.retrieved_ids for s in e.steps])
+        for step, label in zip(e.steps, labels):
+            if step.kind == TurnKind.SEARCH:
+                counts[label] += 1
+    return {f"searches/{label}_per_traj": n / len(episodes) for label, n in counts.items()}
 
 
 def turn_labels(batch, reward_B: torch.Tensor, episodes, examples, extras: dict) -> Optional[tuple]:

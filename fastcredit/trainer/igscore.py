@@ -32,6 +32,8 @@ from fastcredit.credit.types import TurnKind
 
 SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
 ANSWER_OPEN = "<answer>"  # what the policy writes before an answer; the gold follows it, space-padded as a policy
+ANSWER_OPENING = "\n<answer>"  # the scored contexts' opening, as IG-Search's released code writes it
+THINK_CLOSE = "</think>"
 HEAD_TOKENS, HEAD_WEIGHT = 3, 3.0  # s(C): the gold's first three tokens weigh three times the rest
 
 
@@ -123,36 +125,75 @@ def draw_others(rng: random.Random, pool: list, keys: list, key: int, left: int,
     return got
 
 
-def build_contexts(prompts: Sequence, batch, golds: Sequence, tokenizer, n_random: int, max_golds: int,
-                   rng: random.Random) -> Contexts:
-    """The real and counterfactual contexts of every search turn with an observation (module docstring); one draw
-    of ``n_random`` other observations per turn, shared by its golds."""
-    out = Contexts()
-    tokens, cu = batch.tokens_N.long(), batch.cu_seqlens.tolist()
-    start, alen, olen = (batch.seg_start_S.tolist(), batch.seg_action_len_S.tolist(), batch.seg_obs_len_S.tolist())
-    traj, keys = batch.seg_traj_S.tolist(), batch.seg_obs_key_S.tolist()
+def draw_observations(batch, n_random: int, rng: random.Random) -> dict[int, list[int]]:
+    """Per search turn with an observation that another search turn's differs from: the turns whose observations
+    its contexts read, its own first, then ``n_random`` others (:func:`draw_others`). One draw per turn, in turn
+    order, shared by its golds."""
+    olen, keys = batch.seg_obs_len_S.tolist(), batch.seg_obs_key_S.tolist()
     kinds = batch.seg_kind_S.tolist()
     pool = [s for s in range(batch.num_turns) if kinds[s] == TurnKind.SEARCH and olen[s] > 0]
     count = Counter(keys[s] for s in pool)
-    opening = torch.tensor(tokenizer.encode(ANSWER_OPEN, add_special_tokens=False), dtype=torch.int64)
-    answers: dict = {}  # gold text -> its tokens, encoded once a batch
+    out = {}
     for s in pool:
-        b, left = traj[s], len(pool) - count[keys[s]]
+        left = len(pool) - count[keys[s]]
+        if left:
+            out[s] = [s] + draw_others(rng, pool, keys, keys[s], left, n_random)
+    return out
+
+
+def context_head(prompts: Sequence, batch, s: int, o: int) -> torch.Tensor:
+    """int64: the prompt and trajectory of turn ``s`` up to and including its action, then turn ``o``'s
+    observation (``o == s``: its own)."""
+    tokens, cu = batch.tokens_N.long(), batch.cu_seqlens.tolist()
+    start, alen, olen = batch.seg_start_S.tolist(), batch.seg_action_len_S.tolist(), batch.seg_obs_len_S.tolist()
+    b = int(batch.seg_traj_S[s])
+    head = torch.cat([torch.as_tensor(prompts[b], dtype=torch.int64), tokens[cu[b]:start[s] + alen[s]]])
+    return torch.cat([head, tokens[start[o] + alen[o]:start[o] + alen[o] + olen[o]]])
+
+
+def policy_thinks(generate: Callable, prompts: Sequence, batch, draws: dict, max_tokens: int) -> dict:
+    """``credit.igsearch.opening=policy``: the think the policy writes after each context's observation, greedy,
+    up to its ``</think>`` (or ``max_tokens``): ``(turn, observation turn) -> token ids``. ``generate(prompts,
+    params)``: the rollout engine's ``generate``, with the weights the batch was rolled out with."""
+    from fastcredit.rollout.engines.base import SamplingParams
+
+    pairs = sorted({(s, o) for s, obs in draws.items() for o in obs})
+    if not pairs:
+        return {}
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=[THINK_CLOSE])
+    outs = generate([context_head(prompts, batch, s, o).tolist() for s, o in pairs], params)
+    return {pair: list(out.token_ids) for pair, out in zip(pairs, outs)}
+
+
+def opening_ids(tokenizer) -> torch.Tensor:
+    """int64: the answer opening, ``\n<answer>`` (IG-Search's released code writes it after the observation, or the
+    policy after its own think); the gold follows it space-padded."""
+    return torch.tensor(tokenizer.encode(ANSWER_OPENING, add_special_tokens=False), dtype=torch.int64)
+
+
+def build_contexts(prompts: Sequence, batch, golds: Sequence, tokenizer, draws: dict, max_golds: int,
+                   thinks: Optional[dict] = None) -> Contexts:
+    """The real and counterfactual contexts of every drawn search turn (module docstring): its observation or a
+    drawn one, then (``thinks``: the policy's opening) the think the policy wrote after it, then the opening."""
+    out = Contexts()
+    traj = batch.seg_traj_S.tolist()
+    opening = opening_ids(tokenizer)
+    answers: dict = {}  # gold text -> its tokens, encoded once a batch
+    for s, observations in draws.items():
+        b = traj[s]
         texts = ([golds[b]] if isinstance(golds[b], str) else list(golds[b]))[:max_golds]
         for g in texts:
             if g not in answers:
                 answers[g] = gold_token_ids(tokenizer, g)
         gold_ids = [answers[g] for g in texts]
-        if left == 0 or not any(gold_ids):
+        if not any(gold_ids):
             continue
-        head = torch.cat([torch.as_tensor(prompts[b], dtype=torch.int64), tokens[cu[b]:start[s] + alen[s]]])
-        observations = [s] + draw_others(rng, pool, keys, keys[s], left, n_random)
         for v, ids in enumerate(gold_ids):
             if not ids:
                 continue
             for j, o in enumerate(observations):
-                obs = tokens[start[o] + alen[o]:start[o] + alen[o] + olen[o]]
-                out.prompts.append(torch.cat([head, obs, opening]))
+                think = torch.tensor(thinks.get((s, o), []) if thinks is not None else [], dtype=torch.int64)
+                out.prompts.append(torch.cat([context_head(prompts, batch, s, o), think, opening]))
                 out.answers.append(ids)
                 out.turn.append(s)
                 out.gold.append(v)
@@ -200,20 +241,28 @@ def information_gain(s_C: torch.Tensor, ctx: Contexts, S: int) -> tuple[torch.Te
 
 def score_information_gain(model, prompts: Sequence, batch, golds: Sequence, tokenizer, cfg, device,
                            max_tokens: int, temperature: float = 1.0, seed: int = 0,
-                           max_over_ranks: Callable[[int], int] = lambda n: n) -> tuple[dict, dict]:
+                           max_over_ranks: Callable[[int], int] = lambda n: n, draws: Optional[dict] = None,
+                           thinks: Optional[dict] = None) -> tuple[dict, dict]:
     """``(extras, metrics)``: the CreditInputs fields ``ig_S`` (float32, NaN where unscored),
     ``seg_query_start_S`` and ``seg_query_len_S``, and the phase's ``ig/*`` metrics. ``model``: the policy (a
-    PolicyModel or the TrainEngine over one); ``cfg``: ``credit.igsearch``; ``seed``: the counterfactual draws'.
-    Every rank runs as many micro-batches as the busiest one (a rank without a context runs a dummy one)."""
+    PolicyModel or the TrainEngine over one); ``cfg``: ``credit.igsearch``; ``draws``: each scored turn's
+    observations (:func:`draw_observations`; None: drawn here with ``seed``); ``thinks``: the policy's own
+    openings (:func:`policy_thinks`, ``credit.igsearch.opening=policy``; None: the released opening). Every rank
+    runs as many micro-batches as the busiest one (a rank without a context runs a dummy one)."""
     from fastcredit.models.packed import forward_logprobs
     from fastcredit.rollout.trajectory import Turn, from_turns
 
-    ctx = build_contexts(prompts, batch, golds, tokenizer, cfg.n_random, cfg.max_golds, random.Random(seed))
+    if draws is None:
+        draws = draw_observations(batch, cfg.n_random, random.Random(seed))
+    ctx = build_contexts(prompts, batch, golds, tokenizer, draws, cfg.max_golds, thinks)
     start_S, len_S = query_spans(batch, tokenizer)
     C = len(ctx.prompts)
     ig_S = torch.full((batch.num_turns,), math.nan, dtype=torch.float64)
     metrics = {"ig/contexts": float(C), "ig/context_tokens": float(sum(len(p) + len(a) for p, a in
                                                                         zip(ctx.prompts, ctx.answers)))}
+    if thinks is not None and thinks:
+        closed = sum(THINK_CLOSE in tokenizer.decode(t, skip_special_tokens=False) for t in thinks.values())
+        metrics["ig/opening_think_closed"] = closed / len(thinks)
     if max_over_ranks(C) > 0:
         dummy = C == 0  # this rank has nothing to score but the others do: one pass, discarded
         inputs = ctx.prompts if not dummy else [torch.as_tensor(prompts[0], dtype=torch.int64)]

@@ -90,6 +90,7 @@ def evaluate_heldout(parts: RolloutParts, cfg: TrainConfig, info: DistInfo, time
     sources, each rank of ``info`` rolling out its shard, as ``python -m fastcredit.eval`` does under torchrun
     (:func:`~fastcredit.trainer.heldout.evaluate_shard`): ``{"eval/em", "eval/f1", "eval/em/<source>", …}``,
     empty when evaluation is off. ``eval/em`` is the mean over sources, as the papers average."""
+    from fastcredit.retrieval.searcher import eval_searcher
     from fastcredit.rollout.agent import searcher_session
     from fastcredit.trainer.heldout import (eval_metrics, evaluate_shard, sample_per_source, score_records,
                                             source_sums, summarize)
@@ -101,8 +102,11 @@ def evaluate_heldout(parts: RolloutParts, cfg: TrainConfig, info: DistInfo, time
         return {}
     chosen = sample_per_source(test, n, cfg.eval.seed_for(cfg.seed))  # same on every rank
 
+    searcher = eval_searcher(cfg, parts.rollout.searcher, parts.rollout.retriever, parts.shared.tokenizer,
+                             info.distributed)
+
     def roll(idx: list) -> list:
-        result, examples = rollout(parts, cfg, idx, test, greedy=True)
+        result, examples = rollout(parts, cfg, idx, test, greedy=True, searcher=searcher)
         return score_records(result.episodes, examples, idx)
 
     with timer.phase("eval"), searcher_session(parts.rollout.searcher):
@@ -110,3 +114,4 @@ def evaluate_heldout(parts: RolloutParts, cfg: TrainConfig, info: DistInfo, time
     sources = sorted({test[i].data_source for i in chosen})
     seconds = timer.reset().get("eval", 0.0)
     return {**eval_metrics(summarize(source_sums(records), sources)), "time/eval": seconds}
+

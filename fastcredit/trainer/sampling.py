@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from fastcredit.config import TrainConfig
+from fastcredit.config.credit import outcome_reward
+from fastcredit.data.lookup import turn_budget
 from fastcredit.distributed.process_group import DistInfo, max_over_ranks
 from fastcredit.rollout.proceed import proceed_flags
 from fastcredit.rollout.build import agent_loop, prompt_ids
@@ -20,8 +22,10 @@ from fastcredit.trainer.parts import RolloutParts
 
 
 def rollout(parts: RolloutParts, cfg: TrainConfig, idx: list[int], examples_from: list, greedy: bool = False,
-            group_size: int = 1, hook=None, seed_base: int = 0, group_base: int = 0):
+            group_size: int = 1, hook=None, seed_base: int = 0, group_base: int = 0, searcher=None):
     """Roll out ``group_size`` trajectories for each of ``examples_from[idx]``; returns (result, examples).
+    ``searcher``: what the searches go to (None: the rollout side's; an evaluation's closed-book control passes its
+    own).
 
     Group ids are ``group_base + prompt index``: a refill round passes its own base, so a
     prompt drawn again in the same step forms a separate group.
@@ -31,9 +35,10 @@ def rollout(parts: RolloutParts, cfg: TrainConfig, idx: list[int], examples_from
     groups = [group_base + i for i in idx for _ in range(group_size)]
     flags = proceed_flags(groups, cfg.rollout.proceed.fraction) if hook is not None else [False] * len(groups)
     metas = [{"question": ex.question, "golds": ex.golden_answers, "example": ex, "proceed": f,
-              "seed": None if greedy else seed_base + j} for j, (ex, f) in enumerate(zip(examples, flags))]
+              "seed": None if greedy else seed_base + j, "max_turns": turn_budget(ex)}
+             for j, (ex, f) in enumerate(zip(examples, flags))]
     with parts.phases.rollout(weights=parts.weights):
-        loop = agent_loop(cfg, parts.rollout.engine, parts.rollout.searcher, greedy, hook)
+        loop = agent_loop(cfg, parts.rollout.engine, searcher or parts.rollout.searcher, greedy, hook)
         result = loop.run(prompts, group_id=groups, metas=metas)
     return result, examples
 
@@ -44,7 +49,7 @@ def outcome_rewards(cfg: TrainConfig, result, examples) -> tuple[torch.Tensor, d
     from fastcredit.rollout.trajectory import replace
 
     c = cfg.credit
-    outs = [score_trajectory(e.action_texts, ex.golden_answers, kind=c.reward, lambda_f=c.lambda_f,
+    outs = [score_trajectory(e.action_texts, ex.golden_answers, kind=outcome_reward(cfg), lambda_f=c.lambda_f,
                              format_bonus=c.format_bonus) for e, ex in zip(result.episodes, examples)]
     result.batch = replace(result.batch, em_B=torch.tensor([o.em for o in outs], dtype=torch.float32),
                            f1_B=torch.tensor([o.f1 for o in outs], dtype=torch.float32),

@@ -164,13 +164,16 @@ def warm_start_fingerprint(cfg) -> str:
     """A digest of what determines the warm-started weights: ``WARM_START_KEYS`` (minus the cache and world
     folders, and ``WARM_START_IGNORED_RETRIEVAL``), the observation cap, the warm start's seed and threads."""
     from fastcredit.config import to_dict
+    from fastcredit.config.toy import world_key
 
     d = to_dict(cfg)
     part = {k: d[k] for k in WARM_START_KEYS}
     part["warmstart"] = {k: v for k, v in part["warmstart"].items() if k not in ("cache_dir", "seed")}
-    if not part["warmstart"]["detour_fraction"]:  # added later: warm starts cached without detours still load
-        del part["warmstart"]["detour_fraction"]
+    for key in ("detour_fraction", "waste_prob", "misquery_prob"):  # added later: older cached warm starts load
+        if not part["warmstart"][key]:
+            del part["warmstart"][key]
     part["data"] = {k: v for k, v in part["data"].items() if k != "world_dir"}
+    part["data"]["toy"] = world_key(cfg.data.toy)  # a chain world's as before the lookup kind existed
     part["retrieval"] = {k: v for k, v in part["retrieval"].items() if k not in WARM_START_IGNORED_RETRIEVAL}
     part["rollout"] = {k: d["rollout"][k] for k in WARM_START_ROLLOUT_KEYS}
     part["seed"] = cfg.warmstart.seed_for(cfg.seed)
@@ -223,20 +226,28 @@ def warm_start(lm, cfg, data, tokenizer, searcher, info, say: Callable[[str], No
         examples = [ex for ex in data.train if ex.metadata.get("hops")]
         examples = examples[: w.questions] if w.questions else examples
         t0 = time.time()
-        plan = detour_plan(cfg, examples, seed)
-        queries = sorted({h["query"] for ex in examples for h in ex.metadata["hops"]} | set(planned_queries(plan)))
+        if cfg.data.toy.kind == "lookup":
+            queries, actions, made = lookup_demonstrations(cfg, examples, seed)
+        else:
+            plan = detour_plan(cfg, examples, seed)
+            queries = sorted({h["query"] for ex in examples for h in ex.metadata["hops"]} | set(planned_queries(plan)))
         found = dict(zip(queries, searcher(queries)))  # on every rank: the searcher may be split over the ranks
         if has_meta(lm):  # loads_on_rank0: rank 0 warm-starts the weights every rank is filled from
             return "warm start: on rank 0"
-        detours = choose_detours(plan, examples, {q: ids for q, (_, ids) in found.items()})
+        if cfg.data.toy.kind == "lookup":
+            actions = actions({q: ids for q, (_, ids) in found.items()})
+        else:
+            detours = choose_detours(plan, examples, {q: ids for q, (_, ids) in found.items()})
+            actions = lambda ex, rng: oracle_actions(ex, rng, detour=detours.get(ex.id))  # noqa: E731
+            made = f" ({len(detours)} with a detour)" if w.detour_fraction else ""
         seqs = sft_sequences(examples, prompt_ids(cfg, tokenizer, examples), tokenizer, lambda q: found[q][0],
-                             seed=seed, actions=lambda ex, rng: oracle_actions(ex, rng, detour=detours.get(ex.id)))
+                             seed=seed, actions=actions)
+        made = made() if callable(made) else made
         bar = cfg.logging.progress and info.is_main
         losses = sft_train(lm, seqs, pad_id, w.epochs, w.lr, w.batch_size, seed, str(info.device),
                            progress=bar, on_epoch=None if bar else lambda k, loss: say(
                                f"warm start: epoch {k}/{w.epochs}, loss {loss:.3f} ({time.time() - t0:.0f} s)"),
                            threads=w.threads)
-        made = f" ({len(detours)} with a detour)" if w.detour_fraction else ""
         # the mean loss of the first epoch and of the last (one epoch: its mean)
         loss = f"{losses[0]:.3f} -> {losses[-1]:.3f}" if len(losses) > 1 else f"{losses[0]:.3f}"
         epochs = f"{w.epochs} epoch{'s' if w.epochs > 1 else ''}"
@@ -256,3 +267,37 @@ def detour_plan(cfg, examples: list, seed: int) -> dict:
 
     entities = load_world(cfg.data.world_dir).entities
     return plan_detours(examples, entities, cfg.warmstart.detour_fraction, random.Random(f"detours-{seed}"))
+
+
+def lookup_demonstrations(cfg, examples: list, seed: int) -> tuple[list, Callable, Callable[[], str]]:
+    """The lookup world's demonstrations (``fastcredit.data.lookup_demos``): ``(queries, actions_for, summary)``.
+    ``queries``: every query they may search, to be searched once with the run's retriever; ``actions_for(found)``,
+    given each query's retrieved passage ids, the ``actions(example, rng)`` of :func:`sft_sequences`; ``summary()``,
+    once they are made, the share of their searches that were not the needed entity's full name, for the warm
+    start's line. The mistakes are drawn from the warm start's seed."""
+    from fastcredit.data.lookup import gold_query
+    from fastcredit.data.lookup_demos import demo_queries, lookup_actions, passage_reader, plan_lookup_demos
+    from fastcredit.data.toyqa import question_hops
+    from fastcredit.data.toyworld import load_world
+
+    w = cfg.warmstart
+    world = load_world(cfg.data.world_dir)
+    pool = sorted(n for n, e in world.entities.items() if e.get("split") == "train" and "decoy_of" not in e)
+    plans = plan_lookup_demos(examples, pool, w.waste_prob, w.misquery_prob, random.Random(f"lookup-demos-{seed}"))
+    read = passage_reader(world)
+    counts = [0, 0]  # searches, searches of anything but the next needed entity's full name
+
+    def actions_for(found: dict) -> Callable:
+        def actions(ex, rng):
+            out = lookup_actions(ex, plans[ex.id], found.__getitem__, read)
+            wanted = [gold_query(h["subject"]) for h in question_hops(ex)]
+            queries = [q for _, q in out if q is not None]
+            counts[0] += len(queries)
+            counts[1] += sum(q not in wanted or q in queries[:i] for i, q in enumerate(queries))
+            return out
+        return actions
+
+    def summary() -> str:
+        return f" ({counts[1] / max(counts[0], 1):.1%} of {counts[0]} searches erring)"
+
+    return demo_queries(examples, plans), actions_for, summary

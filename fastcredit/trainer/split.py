@@ -77,9 +77,24 @@ def merge_collected(msgs: list) -> Collected:
     metrics = {k: sum(p.metrics[k] for p in parts if k in p.metrics) / sum(k in p.metrics for p in parts)
                for k in keys}
     golds = None if any(p.golds is None for p in parts) else [g for p in parts for g in p.golds]
+    draws, thinks = merge_answer_contexts(parts)
     return Collected([ids for p in parts for ids in p.prompt_ids], concat([p.batch for p in parts]),
                      torch.cat([p.reward_B for p in parts]), extras, labels, metrics, sum(p.tokens for p in parts),
-                     golds)
+                     golds, draws, thinks)
+
+
+def merge_answer_contexts(parts: list) -> tuple:
+    """IG-Search's drawn contexts of several rollout ranks' batches, their turn numbers moved past the turns of the
+    batches before them (each rank drew from its own share); None where a part has none."""
+    if any(p.ig_draws is None for p in parts):
+        return None, None
+    draws, thinks, offset = {}, ({} if all(p.ig_thinks is not None for p in parts) else None), 0
+    for p in parts:
+        draws.update({s + offset: [o + offset for o in obs] for s, obs in p.ig_draws.items()})
+        if thinks is not None:
+            thinks.update({(s + offset, o + offset): ids for (s, o), ids in p.ig_thinks.items()})
+        offset += p.batch.num_turns
+    return draws, thinks
 
 
 class MailboxCollect(BatchSource):

@@ -30,7 +30,7 @@ from fastcredit.config import TrainConfig
 from fastcredit.credit.registry import estimator_needs
 from fastcredit.distributed.process_group import DistInfo, all_reduce_sum, max_over_ranks, mean_over_ranks
 from fastcredit.runtime.profiling import PhaseTimer
-from fastcredit.trainer.credit_labels import credit_accuracy, turn_labels
+from fastcredit.trainer.credit_labels import credit_accuracy, search_label_metrics, turn_labels
 from fastcredit.trainer.offpolicy import behaviour_correction
 from fastcredit.trainer.parts import RolloutParts, TrainingParts
 from fastcredit.trainer.sampling import sample_batch
@@ -50,6 +50,8 @@ class Collected:
     metrics: dict  # the rollout's, rewards', DAPO's and judges' metrics (this rank's)
     tokens: float  # prompt + response tokens
     golds: Optional[list] = None  # [B] each trajectory's gold answers, when the estimator needs them (IG-Search)
+    ig_draws: Optional[dict] = None  # IG-Search: each scored turn's observations (igscore.draw_observations)
+    ig_thinks: Optional[dict] = None  # IG-Search, opening=policy: the policy's think after each (igscore.policy_thinks)
 
 
 def collect(parts: RolloutParts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, sampler, step: int,
@@ -67,10 +69,32 @@ def collect(parts: RolloutParts, cfg: TrainConfig, info: DistInfo, timer: PhaseT
         extras, jm = judges.score(result, examples, reward) if judges is not None else ({}, {})
     metrics.update(jm)
     labels = turn_labels(result.batch, reward, result.episodes, examples, extras)
+    metrics.update(search_label_metrics(result.episodes, examples))
     tokens = float(result.batch.num_tokens + sum(len(p) for p in result.prompt_ids))
     golds = [list(ex.golden_answers) for ex in examples] if estimator_needs(cfg.credit.estimator).gold_answers \
         else None
-    return Collected(result.prompt_ids, result.batch, reward, extras, labels, metrics, tokens, golds)
+    draws, thinks = None, None
+    if estimator_needs(cfg.credit.estimator).answer_scoring:
+        draws, thinks = answer_contexts(parts, cfg, info, timer, result, step)
+    return Collected(result.prompt_ids, result.batch, reward, extras, labels, metrics, tokens, golds, draws, thinks)
+
+
+def answer_contexts(parts: RolloutParts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, result, step: int):
+    """IG-Search's contexts, drawn where the rollout is: ``(draws, thinks)``, each scored turn's observations
+    (seeded by the run's seed, the step and the rank) and, with ``credit.igsearch.opening=policy``, the think the
+    policy writes after each, by the rollout engine on the weights it rolled out with (timed as ``ig_openings``)."""
+    import random
+
+    from fastcredit.trainer.igscore import draw_observations, policy_thinks
+
+    seed = cfg.seed * 1_000_003 + step * 10_007 + info.rank * 7_000_001
+    draws = draw_observations(result.batch, cfg.credit.igsearch.n_random, random.Random(seed))
+    if cfg.credit.igsearch.opening != "policy":
+        return draws, None
+    with timer.phase("ig_openings"), parts.phases.rollout(weights=parts.weights):
+        thinks = policy_thinks(parts.rollout.engine.generate, result.prompt_ids, result.batch, draws,
+                               cfg.rollout.max_action_tokens)
+    return draws, thinks
 
 
 def learn(parts: TrainingParts, cfg: TrainConfig, info: DistInfo, timer: PhaseTimer, got: Collected, step: int,
@@ -169,7 +193,7 @@ def score_answers(parts: TrainingParts, cfg: TrainConfig, info: DistInfo, timer:
         return score_information_gain(parts.training.policy, got.prompt_ids, got.batch, got.golds,
                                       parts.shared.tokenizer, cfg.credit.igsearch, info.device,
                                       cfg.optim.micro_batch_tokens, cfg.rollout.temperature, seed,
-                                      lambda n: max_over_ranks(n, info))
+                                      lambda n: max_over_ranks(n, info), draws=got.ig_draws, thinks=got.ig_thinks)
 
 
 def advantages(cfg: TrainConfig, info: DistInfo, batch, reward_B: torch.Tensor, old_logp_N, ref_logp_N, values_N,

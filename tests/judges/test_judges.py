@@ -209,3 +209,39 @@ def test_noisy_oracle_flips_at_its_rate_and_the_same_way_twice():
     _, f_flip = oracle_prm([ex], [Ep()], noise=1.0)
     assert f_exact.tolist() == pytest.approx([1.5 / (n + 1)] * 3)
     assert f_flip.tolist() == pytest.approx([0.5 / (n + 1), 1.5 / (n + 1), 2.5 / (n + 1)])
+
+
+def test_the_oracle_judges_the_lookup_world_by_its_labels():
+    """On the lookup world each judge reads the good / wasted / harmful labels: only a good search is good; a
+    harmful one (a decoy's code) is as bad as a wasted one; PiCA's oracle potential is the share of codes found."""
+    from fastcredit.config.toy import LookupWorldConfig
+    from fastcredit.data.lookup import search_labels
+    from fastcredit.data.toyworld import ToyWorldConfig, generate_world
+    from fastcredit.judges.oracle import oracle_prm
+
+    world = generate_world(ToyWorldConfig(kind="lookup", num_questions=20, lookup=LookupWorldConfig(
+        entities=40, test_entities=10, min_k=2, max_k=2)))
+    ex = world.train[0]
+    h0, h1 = ex.metadata["hops"]
+    got = [h0["passage_ids"], h0["passage_ids"], h1["decoy_ids"][:1], h1["passage_ids"]]
+    steps = [StepText("search", f"<search>{i}</search>", "o", str(i), ids) for i, ids in enumerate(got)]
+    steps.append(StepText("answer", f"<answer>{ex.golden_answers[0]}</answer>"))
+    assert search_labels(ex, got) == ["good", "wasted", "harmful", "good"]
+    item = JudgeItem(ex.question, ex.golden_answers, steps, ex.golden_answers[0], 1.0, {"example": ex})
+    labels, ok, _ = asyncio.run(CriticSearchCritic(OracleBackend()).score([item]))
+    assert labels.tolist()[:4] == [1.0, 0.0, 0.0, 1.0] and bool(ok[0])
+    u, v, ok, _ = asyncio.run(CWGRPOJudge(OracleBackend()).score([item], [True]))
+    assert u.tolist()[:4] == [1.0, 0.0, 0.0, 1.0]
+    for turn, want in ((0, 8), (2, 1)):
+        score, _ = asyncio.run(ProcessCritic(OracleBackend()).ascore_step("q", "", "a", "o", item=item, turn=turn))
+        assert score == want
+
+    class Step:
+        def __init__(self, s):
+            self.action_text, self.retrieved_ids = s.action, s.retrieved_ids
+
+    class Ep:
+        steps = [Step(s) for s in item.steps]
+
+    f0, f = oracle_prm([ex], [Ep()])
+    assert f0.tolist() == pytest.approx([0.5 / 3]) and f.tolist() == pytest.approx([1.5 / 3] * 3 + [2.5 / 3] * 2)

@@ -161,3 +161,27 @@ def test_minilm_finds_the_toy_worlds_gold_passages(tmp_path):
     hits = r.search([h["query"] for h in hops], 3)
     found = np.mean([bool(set(map(str, h["passage_ids"])) & {x.id for x in hs}) for h, hs in zip(hops, hits)])
     assert found >= 0.9, f"MiniLM found the gold passage of only {found:.0%} of the hop sub-queries"
+
+
+def test_closed_book_searchers_show_nothing_or_random_passages(assets):
+    """eval.observations: ``none`` answers with an empty information block, ``shuffled`` with k random passages of
+    the corpus (the same ones for the same query and seed), both in the real observations' format."""
+    from fastcredit.retrieval.searcher import ablated_searcher, retriever_searcher
+
+    r, tok = assets["r"], assets["tok"]
+    real = retriever_searcher(r, 3, 64, 400)
+    assert ablated_searcher("real", real, r, tok, 3, 64, 400) is real
+    queries = ["river castle engine", "violet harbor", "river castle engine"]
+    blank = ablated_searcher("none", real, r, tok, 3, 64, 400)(queries)
+    assert [tok.decode(ids, skip_special_tokens=False) for ids, _ in blank] == [PREFIX + SUFFIX] * 3
+    assert all(ids == [] for _, ids in blank)
+    shuffled = ablated_searcher("shuffled", real, r, tok, 3, 64, 400, seed=4)
+    got = shuffled(queries)
+    honest = real(queries)
+    for (obs, ids), (_, true_ids) in zip(got, honest):
+        assert len(ids) == 3 and tok.decode(obs, skip_special_tokens=False).startswith(PREFIX + "Doc 1(Title:")
+        assert ids != true_ids
+    assert got[0] == got[2] != got[1]  # the same query draws the same passages; another query others
+    assert shuffled(queries) == got and ablated_searcher("shuffled", real, r, tok, 3, 64, 400, seed=5)(queries) != got
+    with pytest.raises(ValueError, match="unknown observations mode"):
+        ablated_searcher("hidden", real, r, tok, 3, 64, 400)

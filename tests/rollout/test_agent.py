@@ -139,6 +139,17 @@ def test_turn_budget_makes_the_last_turn_truncated(tok, mode):
     res.batch.validate()
 
 
+@pytest.mark.parametrize("mode", ["async", "lockstep"])
+def test_a_questions_own_turn_budget_caps_its_trajectory(tok, mode):
+    """The lookup world's per-question budget (``meta["max_turns"]``): the smaller of it and rollout.max_turns."""
+    script = lambda text, turn: "<search>again</search>"  # noqa: E731
+    agent = loop(tok, script, mode, max_turns=5)[0]
+    res = agent.run(prompts(tok, 3), metas=[{"max_turns": 2}, {"max_turns": None}, {"max_turns": 9}])
+    assert [len(e.steps) for e in res.episodes] == [2, 5, 5]
+    assert all(e.steps[-1].kind == TurnKind.TRUNCATED for e in res.episodes)
+    res.batch.validate()
+
+
 def test_response_budget_truncates(tok):
     res = loop(tok, lambda text, turn: "<search>again</search>", max_turns=50,
                max_response_tokens=60)[0].run(prompts(tok, 1))

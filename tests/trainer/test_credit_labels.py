@@ -72,3 +72,19 @@ def test_episodes_that_do_not_match_the_batch_are_an_error():
     episodes, batch = _rollout()
     with pytest.raises(ValueError, match="must align"):
         turn_labels(batch, torch.tensor([1.0, 0.0]), episodes[:1], [QUESTION], {})
+
+
+def test_the_steps_searches_are_counted_by_their_gold_label():
+    from fastcredit.rollout.trajectory import TurnKind
+    from fastcredit.trainer.credit_labels import search_label_metrics
+
+    decoyed = {"golden_answers": ["x"], "metadata": {"hops": [{"passage_ids": ["p1"], "decoy_ids": ["d1"]},
+                                                              {"passage_ids": ["p2"], "decoy_ids": ["d2"]}]}}
+    turns = [[("search", ["p1"]), ("search", ["d2"]), ("search", ["p1"]), ("answer", [])],  # good harmful wasted
+             [("search", ["d1"]), ("search", ["p2"]), ("truncated", ["p1"])]]  # harmful good; a cut turn not counted
+    kinds = {"search": TurnKind.SEARCH, "answer": TurnKind.ANSWER, "truncated": TurnKind.TRUNCATED}
+    episodes = [SimpleNamespace(steps=[SimpleNamespace(kind=kinds[k], retrieved_ids=ids) for k, ids in e])
+                for e in turns]
+    assert search_label_metrics(episodes, [decoyed, decoyed]) == {
+        "searches/good_per_traj": 1.0, "searches/wasted_per_traj": 0.5, "searches/harmful_per_traj": 1.0}
+    assert search_label_metrics(episodes, [decoyed, PLAIN]) == {}  # a real dataset's question: no gold labels

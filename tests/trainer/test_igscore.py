@@ -12,8 +12,8 @@ from fastcredit.data.tokenizer import build_tiny_tokenizer
 from fastcredit.models.packed import PolicyModel
 from fastcredit.models.tiny import build_tiny_policy
 from fastcredit.rollout.trajectory import Turn, from_turns
-from fastcredit.trainer.igscore import (Contexts, answer_scores, build_contexts, information_gain, query_span_by_text,
-                                        query_spans, score_information_gain)
+from fastcredit.trainer.igscore import (Contexts, answer_scores, build_contexts, draw_observations, information_gain,
+                                        policy_thinks, query_span_by_text, query_spans, score_information_gain)
 
 PROMPT = "Question: where was the founder of Acme born?"
 ACTIONS = {"q1": "<think> I need Acme founder.</think>\n<search> Acme founder </search>",
@@ -75,12 +75,13 @@ def test_contexts_replace_only_the_turns_observation_and_never_with_the_same_tok
                          [("q3", "o3"), ("answer", None)], [("q1", "o1"), ("answer", None)]])
     prompts = [_ids(tok, PROMPT)] * 4
     toks = batch.tokens_N.tolist()
-    opening = _ids(tok, "<answer>")
+    opening = _ids(tok, "\n<answer>")
     obs_of = {s: toks[int(batch.seg_start_S[s] + batch.seg_action_len_S[s]):
                       int(batch.seg_start_S[s] + batch.seg_action_len_S[s] + batch.seg_obs_len_S[s])]
               for s in range(batch.num_turns)}
     for seed in range(20):
-        ctx = build_contexts(prompts, batch, [["Paris", "Bob Smith"]] * 4, tok, 2, 3, random.Random(seed))
+        ctx = build_contexts(prompts, batch, [["Paris", "Bob Smith"]] * 4, tok,
+                             draw_observations(batch, 2, random.Random(seed)), 3)
         assert sorted(set(ctx.turn)) == [0, 1, 4, 6] and len(ctx.prompts) == 4 * 2 * 3  # 2 golds x (1 + N)
         drawn: dict = {}
         for c, s in enumerate(ctx.turn):
@@ -101,8 +102,8 @@ def test_contexts_replace_only_the_turns_observation_and_never_with_the_same_tok
             assert sorted(drawn[(s, 0)]) == sorted([obs_of[1], obs_of[4]])
     # no other observation at all (every search saw o1), or no gold answer: nothing to score
     same = _batch(tok, [[("q1", "o1"), ("answer", None)], [("q1", "o1"), ("answer", None)]])
-    assert build_contexts([_ids(tok, PROMPT)] * 2, same, [["Paris"]] * 2, tok, 3, 3, random.Random(0)).turn == []
-    assert build_contexts(prompts, batch, [[" "]] * 4, tok, 2, 3, random.Random(0)).turn == []
+    assert draw_observations(same, 3, random.Random(0)) == {}
+    assert build_contexts(prompts, batch, [[" "]] * 4, tok, draw_observations(batch, 2, random.Random(0)), 3).turn == []
 
 
 def test_information_gain_keeps_the_gold_with_the_best_real_score():
@@ -152,7 +153,7 @@ def test_information_gain_equals_a_direct_computation(tok):
     toks = batch.tokens_N.tolist()
     start, alen, olen = batch.seg_start_S.tolist(), batch.seg_action_len_S.tolist(), batch.seg_obs_len_S.tolist()
     searches = {0: 0, 2: 0, 5: 2}  # turn -> trajectory
-    opening = _ids(tok, "<answer>")
+    opening = _ids(tok, "\n<answer>")
     want = [math.nan] * batch.num_turns
     for s, b in searches.items():
         head = prompts[b] + toks[int(batch.cu_seqlens[b]):start[s] + alen[s]]
@@ -160,14 +161,15 @@ def test_information_gain_equals_a_direct_computation(tok):
         others = [toks[start[u] + alen[u]:start[u] + alen[u] + olen[u]] for u in searches if u != s]
         scores = []
         for g in golds[b]:
-            gold = _ids(tok, "<answer> " + g)[len(opening):]
+            gold = _ids(tok, "<answer> " + g)[len(_ids(tok, "<answer>")):]
             real = _direct_score(direct, head + real_obs + opening, gold, temperature)
             base = [_direct_score(direct, head + o + opening, gold, temperature) for o in others]
             scores.append((real, real - sum(base) / len(base)))
         want[s] = max(scores, key=lambda x: x[0])[1]
     got = extras["ig_S"]
     assert got.dtype == torch.float32 and torch.isnan(got).tolist() == [math.isnan(w) for w in want]
-    assert min(abs(w) for w in want if not math.isnan(w)) > 0.05  # gains the context really moves
+    # gains the context really moves (the smallest is about 0.02 here, a thousand times the tolerance below)
+    assert min(abs(w) for w in want if not math.isnan(w)) > 0.01
     torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), atol=2e-5, rtol=0,
                                equal_nan=True)
     assert (extras["seg_query_len_S"] > 0).tolist() == [True, False, True, False, False, True, False]
@@ -188,3 +190,31 @@ def test_a_rank_without_a_search_runs_one_dummy_pass_when_others_score(tok):
     assert calls == [] and torch.isnan(extras["ig_S"]).all() and metrics["ig/contexts"] == 0
     extras, _ = score_information_gain(Policy(), *args, max_over_ranks=lambda n: max(n, 5))
     assert len(calls) == 5 and torch.isnan(extras["ig_S"]).all()  # as many passes as the busiest rank, discarded
+
+
+def test_the_policys_opening_puts_its_own_think_between_each_observation_and_the_answer(tok):
+    """opening=policy: each context (the real one and every counterfactual) is followed by the think the policy
+    writes after that very observation, generated greedily up to </think>, then the opening."""
+    from fastcredit.rollout.engines.base import GenOutput
+
+    batch = _batch(tok, [[("q1", "o1"), ("q2", "o2"), ("answer", None)], [("q3", "o3"), ("answer", None)]])
+    prompts = [_ids(tok, PROMPT)] * 2
+    draws = draw_observations(batch, 2, random.Random(0))
+    seen = []
+
+    def generate(heads, params):  # a think that names the observation it read: it differs per context
+        seen.append((heads, params))
+        return [GenOutput(_ids(tok, f"<think> read {len(h)} </think>"), None, "stop") for h in heads]
+
+    thinks = policy_thinks(generate, prompts, batch, draws, max_tokens=17)
+    (heads, params), = seen
+    assert params.temperature == 0.0 and params.stop == ["</think>"] and params.max_tokens == 17
+    assert len(heads) == len(thinks) == len({(s, o) for s, obs in draws.items() for o in obs})
+    ctx = build_contexts(prompts, batch, [["Paris"]] * 2, tok, draws, 3, thinks)
+    opening = _ids(tok, "\n<answer>")
+    released = build_contexts(prompts, batch, [["Paris"]] * 2, tok, draws, 3)
+    assert len(ctx.prompts) == len(released.prompts) == 3 * 3
+    for c, (mine, plain) in enumerate(zip(ctx.prompts, released.prompts)):
+        head = plain.tolist()[:-len(opening)]  # the context up to and including the observation shown
+        think = _ids(tok, f"<think> read {len(head)} </think>")
+        assert mine.tolist() == head + think + opening, c
