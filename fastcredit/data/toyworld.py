@@ -24,7 +24,6 @@ Files written by ``write_world`` (the same config gives byte-identical files):
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -334,15 +333,21 @@ def load_world(out_dir: str) -> ToyWorld:
     return ToyWorld(cfg, entities, passages, facts, load_toyworld(out_dir, "train"), load_toyworld(out_dir, "test"))
 
 
+def parser():
+    """The command line: the output folder and one flag per ToyWorldConfig field."""
+    from fastcredit.config import command_parser
+
+    p = command_parser("python -m fastcredit.data.toyworld", "Write the toy world's files.")
+    p.add_argument("--out", required=True, help="output folder")
+    for f in dataclasses.fields(ToyWorldConfig):
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
+                       help=f"{f.metadata['help']} (default {f.default})")
+    return p
+
+
 def main(argv: Optional[list] = None) -> int:
     """The command line: generate, write, print the summary; exit status 2 on a bad config."""
-    parser = argparse.ArgumentParser(prog="python -m fastcredit.data.toyworld",
-                                     description="Write the toy world's files.")
-    parser.add_argument("--out", required=True, help="output folder")
-    for f in dataclasses.fields(ToyWorldConfig):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
-                            help=f"{f.metadata['help']} (default {f.default})")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     cfg = ToyWorldConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ToyWorldConfig)})
     try:
         summary = write_world(generate_world(cfg), args.out)
