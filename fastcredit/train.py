@@ -29,7 +29,7 @@ import sys
 from typing import Optional
 
 from fastcredit.config import ConfigError, command_parser, load_config
-from fastcredit.distributed.process_group import init_distributed, rank_failure_ends_job, shutdown
+from fastcredit.distributed.process_group import init_distributed, rank_failure_ends_job, shutdown, world_size_here
 from fastcredit.runtime.progress import quiet_library_bars
 from fastcredit.trainer.build import (add_memory_report_flags, colocated_trainer, memory_report_request,
                                       split_trainer)
@@ -67,7 +67,7 @@ def main(argv: Optional[list] = None) -> int:
         cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides)
         # on every rank, before the process group starts: a wrong path named by its key; a plan's paths are the
         # target machine's (it reads the estimator's needs alone)
-        check_run(cfg, args.resume, local=report is None)
+        check_run(cfg, args.resume, local=report is None, world_size=None if report else world_size_here())
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
