@@ -172,7 +172,7 @@ def run_design(name: str, config: str, overrides: list[str], work: str, steps: i
     from fastcredit.config import load_config
     from fastcredit.distributed.process_group import init_distributed, shutdown
     from fastcredit.trainer.checks import check_run
-    from fastcredit.train import colocated_trainer
+    from fastcredit.trainer.build import colocated_trainer
 
     out = os.path.join(work, name)
     paths = [config] + ([DESIGN] if name == "searchr1_design" else [])

@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     from fastcredit.distributed.process_group import init_distributed, shutdown
     from fastcredit.rollout.agent import searcher_session
     from fastcredit.trainer.checks import check_run
-    from fastcredit.train import colocated_trainer
+    from fastcredit.trainer.build import colocated_trainer
     from fastcredit.trainer.sampling import outcome_rewards, rollout
 
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)

@@ -17,7 +17,7 @@ import os
 import statistics
 from typing import Optional
 
-from fastcredit.compare.report import mean_interval
+from fastcredit.runtime.stats import mean_interval
 
 DESIGNS = ("fastcredit", "searchr1_design")
 COMPARABLE = 0.05  # the largest relative difference of turns or response tokens per trajectory at "equal work"

@@ -57,29 +57,36 @@ from fastcredit.trainer.heldout import (RESULTS_JSON, RESULTS_MD, SEARCHR1_IN_DO
 
 SYNOPSIS = ("python -m fastcredit.eval --model DIR|runs/X [--step N] [--data FILE] [flags] "
             "[--config X.yaml] [key=value ...]")
-FLAG_HELP = """
---model DIR|RUN     a Hugging Face folder, or a run folder (its checkpoint is exported to RUN/exports/step_N)
---step N            with a run folder: the checkpoint step (default: the latest)
---data FILE         QA file: Search-R1 parquet, FlashRAG jsonl, or a folder holding <split>.parquet / .jsonl
-                    (default: the config's data.test_path, or its toy world's test split)
---split NAME        the split read from a data folder (default: test)
---limit N           evaluate N questions, spread evenly over the data sources (default: all)
---in-domain A,B     data sources marked in-domain (default: the run's training sources, else nq,hotpotqa)
---engine E          auto | vllm | hf (auto: vLLM on a GPU when installed, else the HF engine)
---batch N           questions rolled out together per chunk (default 256); predictions are saved per chunk
---out DIR           where results go (default: RUN/eval/<data>-step<N>, or runs/eval/<model>-<data>)
---fresh             start over: move an earlier evaluation's predictions in --out aside
---config X.yaml     the config (default: the run's config.yaml, else the built-in defaults); key=value
-                    overrides as for training (rollout.max_turns=5, retrieval.url=...)
--h, --help [PREFIX] this help; with PREFIX the config keys under it (rollout, retrieval, all)
-"""
 
 
-# ------------------------------------------------------------------------------------- the command
+def parser():
+    """The command's line: the model, what to evaluate it on, the config and its overrides."""
+    from fastcredit.config import command_parser
 
-
-FLAGS = {"--model": str, "--step": int, "--data": str, "--split": str, "--limit": int, "--in-domain": str,
-         "--engine": str, "--batch": int, "--out": str, "--fresh": None}
+    p = command_parser("python -m fastcredit.eval", __doc__, usage=SYNOPSIS, help_prefixes="rollout, retrieval",
+                       config="the config (default: the run's config.yaml, else the built-in defaults); key=value "
+                              "overrides as for training (rollout.max_turns=5, retrieval.url=...)")
+    p.add_argument("--model", required=True, metavar="DIR|RUN",
+                   help="a Hugging Face folder, or a run folder (its checkpoint is exported to RUN/exports/step_N)")
+    p.add_argument("--step", type=int, metavar="N",
+                   help="with a run folder: the checkpoint step (default: the latest)")
+    p.add_argument("--data", metavar="FILE",
+                   help="QA file: Search-R1 parquet, FlashRAG jsonl, or a folder holding <split>.parquet / .jsonl "
+                        "(default: the config's data.test_path, or its toy world's test split)")
+    p.add_argument("--split", default="test", metavar="NAME", help="the split read from a data folder")
+    p.add_argument("--limit", type=int, metavar="N",
+                   help="evaluate N questions, spread evenly over the data sources (default: all)")
+    p.add_argument("--in-domain", metavar="A,B",
+                   help="data sources marked in-domain (default: the run's training sources, else nq,hotpotqa)")
+    p.add_argument("--engine", default="auto", metavar="E",
+                   help="auto | vllm | hf (auto: vLLM on a GPU when installed, else the HF engine)")
+    p.add_argument("--batch", type=int, default=256, metavar="N",
+                   help="questions rolled out together per chunk; predictions are saved per chunk")
+    p.add_argument("--out", metavar="DIR",
+                   help="where results go (default: RUN/eval/<data>-step<N>, or runs/eval/<model>-<data>)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start over: move an earlier evaluation's predictions in --out aside")
+    return p
 
 
 def _file_id(path: str) -> dict:
@@ -283,33 +290,21 @@ def evaluate(cfg: TrainConfig, model: str, *, step: Optional[int] = None, data: 
 def main(argv: Optional[list] = None) -> int:
     """The command; under torchrun (``torchrun --nproc_per_node=8 -m fastcredit.eval ...``) every rank evaluates
     its shard of the questions and rank 0 prints the table."""
-    from fastcredit.config.help import take_flags
     from fastcredit.distributed.process_group import init_distributed, rank_failure_ends_job, shutdown
     from fastcredit.runtime.progress import quiet_library_bars
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        from fastcredit.config.help import format_usage, handle_help
-
-        handle_help(argv, format_usage(SYNOPSIS, __doc__, FLAG_HELP))
+    args = parser().parse_args(argv)
     quiet_library_bars()  # a log gets plain progress lines, not the libraries' bar frames
     info = init_distributed()  # one process: nothing to initialise
     code = 0
     try:
-        opts, rest = take_flags(argv, FLAGS)
-        if "--model" not in opts:
-            raise ConfigError("--model DIR|runs/X is required (see --help)")
-        model = opts["--model"]
-        cfg = model_config(model, rest)
-        in_domain = opts.get("--in-domain")
+        cfg = model_config(args.model, args.config, args.overrides)
+        in_domain = None if args.in_domain is None else [s.strip() for s in args.in_domain.split(",") if s.strip()]
         # an input error reaches every rank together (rank0_first); any other failure ends this rank's process
         with rank_failure_ends_job(info, expected=input_errors()):
-            res = evaluate(cfg, model, step=opts.get("--step"), data=opts.get("--data"),
-                           split=opts.get("--split", "test"), limit=opts.get("--limit"),
-                           in_domain=None if in_domain is None else [s.strip() for s in in_domain.split(",")
-                                                                     if s.strip()],
-                           engine=opts.get("--engine", "auto"), batch=opts.get("--batch", 256), out=opts.get("--out"),
-                           fresh=bool(opts.get("--fresh")), progress=cfg.logging.progress, info=info)
+            res = evaluate(cfg, args.model, step=args.step, data=args.data, split=args.split, limit=args.limit,
+                           in_domain=in_domain, engine=args.engine, batch=args.batch, out=args.out, fresh=args.fresh,
+                           progress=cfg.logging.progress, info=info)
     except input_errors() as exc:
         if info.is_main:
             print(f"eval error: {exc}", file=sys.stderr)

@@ -44,11 +44,11 @@ from typing import Optional
 from fastcredit.models.export import DEFAULT_SHARD, DTYPES, ExportError, export_checkpoint
 
 
-def main(argv: Optional[list] = None) -> int:
-    from fastcredit.config.help import argparser
-    from fastcredit.config import ConfigError
+def parser():
+    """The command's line: the run, the folder written, and how."""
+    from fastcredit.config import command_parser
 
-    p = argparser("python -m fastcredit.export", __doc__)
+    p = command_parser("python -m fastcredit.export", __doc__)
     p.add_argument("--run", required=True, metavar="RUN", help="the run folder (logging.output_dir of the training)")
     p.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face folder to write")
     p.add_argument("--step", type=int, metavar="N", help="the checkpoint step (default: checkpoints/latest)")
@@ -56,7 +56,13 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--max-shard-size", default=DEFAULT_SHARD, metavar="SIZE",
                    help="the largest safetensors file; bigger models are sharded with an index")
     p.add_argument("--force", action="store_true", help="replace --out when it holds an earlier export")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Optional[list] = None) -> int:
+    from fastcredit.config import ConfigError
+
+    args = parser().parse_args(argv)
     try:
         export_checkpoint(args.run, args.out, args.step, args.dtype, args.force, args.max_shard_size)
     except (ExportError, ConfigError) as exc:

@@ -26,8 +26,7 @@ import time
 from collections import Counter
 from typing import Optional
 
-from fastcredit.config.help import format_usage, handle_help
-from fastcredit.config import ConfigError, TrainConfig, load_config, parse_cli, save_config
+from fastcredit.config import ConfigError, TrainConfig, command_parser, load_config, save_config
 from fastcredit.config.checks import check_paths
 from fastcredit.data.build import Data
 from fastcredit.data.loaders import QAExample, iter_corpus, load_qa
@@ -148,23 +147,23 @@ def _summarise(cfg, train, test, passages, batch, outcomes, guesses, prompt_toke
     }
 
 
-USAGE = format_usage("python -m fastcredit.prepare [--config X.yaml] [key=value ...]", __doc__, """
---config X.yaml       the run's YAML (values only; default: the embedded defaults, the toy world)
--h, --help [PREFIX]   this help; with PREFIX the config keys under it (data, data.toy, all)
-""")
+def parser():
+    """The command's line: the config and its overrides."""
+    return command_parser("python -m fastcredit.prepare", __doc__,
+                          usage="python -m fastcredit.prepare [--config X.yaml] [key=value ...]",
+                          config="the run's YAML (values only; default: the embedded defaults, the toy world)",
+                          help_prefixes="data, data.toy")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    handle_help(argv, USAGE)
+    args = parser().parse_args(argv)
     quiet_library_bars()  # a log gets plain progress lines, not the libraries' bar frames
     try:
-        path, overrides = parse_cli(argv)
-        cfg = load_config(path, overrides)
+        cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    print(f"fastcredit.prepare: {path or 'embedded defaults'} → {cfg.logging.output_dir}")
+    print(f"fastcredit.prepare: {args.config or 'embedded defaults'} → {cfg.logging.output_dir}")
     summary = run(cfg)
     width = max(len(k) for k in summary)
     for key, value in summary.items():

@@ -19,8 +19,8 @@ needs beside it (``fastcredit.trainer.memory``) and exits before anything loads:
 when it cannot run.
 Exit status: 0 done, 2 bad config (or a memory report that cannot run), 3 stopped by the collapse guard.
 
-The training loop is :class:`fastcredit.trainer.loop.Trainer`; this module parses the command line,
-starts and ends the process group, and reports.
+The training loop is :class:`fastcredit.trainer.loop.Trainer`, built by ``fastcredit.trainer.build``; this module
+parses the command line, starts and ends the process group, and reports.
 """
 from __future__ import annotations
 
@@ -28,12 +28,13 @@ import os
 import sys
 from typing import Optional
 
-from fastcredit.config.help import answer_help, format_usage
-from fastcredit.config import CommandLine, ConfigError, load_config, parse_command
-from fastcredit.distributed.process_group import init_distributed, rank_failure_ends_job, shutdown
+from fastcredit.config import ConfigError, command_parser, load_config
+from fastcredit.distributed.process_group import init_distributed, rank_failure_ends_job, shutdown, world_size_here
 from fastcredit.runtime.progress import quiet_library_bars
+from fastcredit.trainer.build import (add_memory_report_flags, colocated_trainer, memory_report_request,
+                                      split_trainer)
 from fastcredit.trainer.checks import check_run
-from fastcredit.trainer.memory.command import REPORT_FLAGS, memory_report, report_request
+from fastcredit.trainer.memory.request import memory_report
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
 
@@ -41,42 +42,32 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
 SYNOPSIS = """python -m fastcredit.train [--config X.yaml] [key=value ...] [--resume] [--profile]
        python -m fastcredit.train [--config X.yaml] [key=value ...] --memory-report [--gpu-gib G] [--gpus N]
                                   [--host-gib H] [--gpus-per-node N]"""
-FLAGS = """
---config X.yaml       the run's YAML (values only; default configs/demo.yaml); key=value overrides apply after it
---resume              continue from the run folder's last checkpoint (metrics.jsonl is cut back to it)
---profile             three steps profiled: a torch.profiler trace and its per-phase table in RUN/profile/, and
-                      the CUDA profiler range nsys captures (nsys --capture-range=cudaProfilerApi) where it runs
---memory-report       print the GPU and host memory budget of each phase and exit (nothing loads); exit 2 if it
-                      cannot run
-  --gpu-gib G         GPU size in GiB (default: the local GPU's, else 80)
-  --gpus N            GPUs, one rank each (default: torchrun's WORLD_SIZE, else distributed.gpus, else 1)
-  --host-gib H        host RAM of a node in GiB (default: this machine's MemTotal where it has a GPU for each
-                      of a node's ranks, else an 8 x H100 DGX node's 2048; the report says which)
-  --gpus-per-node N   ranks on a node (default: torchrun's LOCAL_WORLD_SIZE, else the smaller of the GPUs and 8)
-  --index-rows N --index-dim D   retrieval index size when its file is not here
--h, --help [PREFIX]   this help; with PREFIX the config keys under it (rollout, optim.lr, all)
-"""
-USAGE = format_usage(SYNOPSIS, __doc__, FLAGS)
 
 
-# every flag of the command's own (--config, -h / --help and key=value are every command's)
-COMMAND_FLAGS = {"--resume": None, "--profile": None, **REPORT_FLAGS}
+def parser():
+    """The command's line: the config, its overrides, the run's flags and the memory report's."""
+    p = command_parser("python -m fastcredit.train", __doc__, usage=SYNOPSIS, help_prefixes="rollout, optim.lr",
+                       config="the run's YAML (values only; default configs/demo.yaml); key=value overrides apply "
+                              "after it")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the run folder's last checkpoint (metrics.jsonl is cut back to it)")
+    p.add_argument("--profile", action="store_true",
+                   help="three steps profiled: a torch.profiler trace and its per-phase table in RUN/profile/, and "
+                        "the CUDA profiler range nsys captures (nsys --capture-range=cudaProfilerApi) where it runs")
+    add_memory_report_flags(p)
+    return p
 
 
 def main(argv: Optional[list] = None) -> int:
-    try:
-        args = parse_command(sys.argv[1:] if argv is None else argv, COMMAND_FLAGS)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    answer_help(args.help, USAGE)
+    p = parser()
+    args = p.parse_args(argv)
+    report = memory_report_request(p, args)
     quiet_library_bars()  # a log gets plain progress lines, not the libraries' bar frames
     try:
-        report = report_request(args)
         cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides)
         # on every rank, before the process group starts: a wrong path named by its key; a plan's paths are the
         # target machine's (it reads the estimator's needs alone)
-        check_run(cfg, args.has("--resume"), local=report is None)
+        check_run(cfg, args.resume, local=report is None, world_size=None if report else world_size_here())
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -89,45 +80,14 @@ def main(argv: Optional[list] = None) -> int:
         return colocated_main(cfg, info, args)
 
 
-def colocated_trainer(cfg, info, resume: bool = False, profile: bool = False):
-    """The Trainer of a colocated rank: both roles here (``fastcredit.trainer.parts.build_colocated``), its batches
-    collected by this rank's own engine, searcher and judges, its weights synced into that engine before each
-    rollout (``fastcredit.trainer.placement``)."""
-    from fastcredit.trainer.loop import Trainer
-    from fastcredit.trainer.parts import build_colocated
-    from fastcredit.trainer.placement import EngineSync, LocalCollect
-    from fastcredit.trainer.run import open_run
-
-    run = open_run(cfg, info, resume)
-    training, rollout = build_colocated(cfg, info, run.out_dir, run.say)
-    source = LocalCollect(rollout, cfg, info, run.timer)
-    return Trainer(cfg, run, training, source, EngineSync(), resume=resume, profile=profile)
-
-
-def split_trainer(cfg, layout, resume: bool = False, profile: bool = False):
-    """The Trainer of a split placement's training rank (``layout``: this rank's view of the split): the training
-    side alone, its batches from the rollout ranks over the mailbox, its weights streamed to them
-    (``fastcredit.trainer.split``)."""
-    from fastcredit.trainer.loop import Trainer
-    from fastcredit.trainer.parts import build_training_rank
-    from fastcredit.trainer.run import open_run
-    from fastcredit.trainer.split import MailboxCollect, RolloutStream
-
-    run = open_run(cfg, layout.info, resume)
-    training = build_training_rank(cfg, layout, run.out_dir, run.say)
-    source = MailboxCollect(cfg, layout, run, len(training.shared.data.train))
-    sink = RolloutStream(cfg, layout, training.training.policy, run.timer)
-    return Trainer(cfg, run, training, source, sink, resume=resume, profile=profile)
-
-
-def colocated_main(cfg, info, args: CommandLine) -> int:
-    """Every rank rolls out and trains (:func:`colocated_trainer`), to the end."""
-    trainer = colocated_trainer(cfg, info, args.has("--resume"), args.has("--profile"))
+def colocated_main(cfg, info, args) -> int:
+    """Every rank rolls out and trains (``fastcredit.trainer.build.colocated_trainer``), to the end."""
+    trainer = colocated_trainer(cfg, info, args.resume, args.profile)
     # every rank trips the collapse guard on the same (rank-averaged) metrics: they leave together
     return _fit(trainer, info, info.is_main, lambda: shutdown(info, 3))
 
 
-def split_main(cfg, info, args: CommandLine) -> int:
+def split_main(cfg, info, args) -> int:
     """``distributed.placement=split``: this rank's role (``fastcredit.trainer.split``), run to the end."""
     from fastcredit.distributed.split import SplitError, split_layout
     from fastcredit.trainer.split import RolloutWorker
@@ -146,7 +106,7 @@ def split_main(cfg, info, args: CommandLine) -> int:
         RolloutWorker(cfg, layout).run()
         shutdown(info)
         return 0
-    trainer = split_trainer(cfg, layout, args.has("--resume"), args.has("--profile"))
+    trainer = split_trainer(cfg, layout, args.resume, args.profile)
     # the rollout ranks wait for weights that will not come after a collapse: torchrun stops them
     return _fit(trainer, info, layout.info.is_main, lambda: os._exit(3))
 

@@ -10,8 +10,9 @@ import pytest
 
 from fastcredit.compare.runs import summarize_run, train_command, variants
 from fastcredit.config import load_config
-from fastcredit.compare.report import (BEHAVIOUR_METRICS, CREDIT_METRICS, format_markdown, mean_interval, steps_to,
-                                       summarize, write_report)
+from fastcredit.compare.report import (BEHAVIOUR_METRICS, CREDIT_METRICS, format_markdown, steps_to, summarize,
+                                       write_report)
+from fastcredit.runtime.stats import mean_interval
 from tests.commands import run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,7 +110,7 @@ def test_help_shows_each_example_command_as_written(capsys):
     lines = out.splitlines()
     continued = [i for i, line in enumerate(lines) if line.rstrip().endswith("\\")]
     assert len(continued) >= 2
-    assert all(lines[i + 1].startswith("        --") for i in continued), [lines[i + 1] for i in continued]
+    assert all(lines[i + 1].startswith("      --") for i in continued), [lines[i + 1] for i in continued]
     assert any(line.strip().startswith("--seeds 6 --noise 0 --jobs 2") for line in lines)
 
 

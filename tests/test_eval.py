@@ -222,8 +222,9 @@ def test_a_rank_that_fails_ends_the_job_instead_of_leaving_the_others_waiting(to
 
 
 def test_the_command_refuses_bad_input(toy, tmp_path, capsys):
-    assert E.main(["--data", toy["parquet"]]) == 2
-    assert "--model" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # the line itself: a usage error, before anything is read
+        E.main(["--data", toy["parquet"]])
+    assert exc.value.code == 2 and "the following arguments are required: --model" in capsys.readouterr().err
     assert E.main(["--model", str(tmp_path / "none")]) == 2
     assert "no such folder" in capsys.readouterr().err
     assert E.main(["--model", toy["folder"], "--data", str(tmp_path / "missing.parquet")]) == 2

@@ -236,9 +236,11 @@ def test_a_split_placement_is_planned_as_colocated_and_says_so(capsys):
 
 
 def test_report_flags_are_checked(capsys):
-    assert main(["--config", CRITIC, "--gpu-gib", "80"]) == 2
-    assert "only apply with --memory-report" in capsys.readouterr().err
-    assert main(["--config", CRITIC, "--memory-report", "--gpus", "many"]) == 2
+    for argv, said in ((["--gpu-gib", "80"], "--gpu-gib only apply with --memory-report"),
+                       (["--memory-report", "--gpus", "many"], "argument --gpus: invalid int value: 'many'")):
+        with pytest.raises(SystemExit) as exc:
+            main(["--config", CRITIC, *argv])
+        assert exc.value.code == 2 and said in capsys.readouterr().err
 
 
 def test_the_report_loads_nothing():
@@ -381,13 +383,13 @@ def test_host_rows_follow_what_each_setting_moves():
 
 
 def test_machine_memory_is_read_from_meminfo(tmp_path, capsys, monkeypatch):
-    from fastcredit.trainer.memory import command
+    from fastcredit.trainer.memory import request
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24684092 kB\nMemFree:        13958988 kB\n")
     assert memory.machine_memory_gib(str(meminfo)) == 24684092 * 1024 / GIB
     assert memory.machine_memory_gib(str(tmp_path / "absent")) is None
-    monkeypatch.setattr(command, "local_gpus", lambda: (1, 80.0))  # this machine, with a GPU, is the plan's node
+    monkeypatch.setattr(request, "local_gpus", lambda: (1, 80.0))  # this machine, with a GPU, is the plan's node
     main(["--config", os.path.join(ROOT, "configs", "debug.yaml"), "--memory-report", "--gpus", "1"])
     out = capsys.readouterr().out
     here = memory.machine_memory_gib()

@@ -62,10 +62,13 @@ def metrics(out):
 
 
 @pytest.mark.parametrize("method", list(METHODS))
-def test_every_method_runs_two_steps(tmp_path, method):
-    out = str(tmp_path / method)
-    proc = train(out, f"credit.estimator={method}", "warmstart.enabled=true", "warmstart.epochs=1",
-                 *(["logging.curves=true", "logging.progress=true"] if method == "grpo" else []), *METHODS[method])
+def test_every_method_runs_two_steps(request, tmp_path, method):
+    if method == "grpo":  # the resume tests' uninterrupted run is this run: made once, read by both
+        out, proc = request.getfixturevalue("grpo_run")
+    else:
+        out = str(tmp_path / method)
+        proc = train(out, f"credit.estimator={method}", "warmstart.enabled=true", "warmstart.epochs=1",
+                     *METHODS[method])
     if method == "grpo":  # progress on, output not a terminal: plain lines, no bar frames (fastcredit.runtime.progress)
         log = proc.stdout + proc.stderr
         assert "\r" not in log and len(log.splitlines()) < 60, log[-3000:]
@@ -92,11 +95,17 @@ RESUME = ["credit.estimator=grpo", "warmstart.enabled=true", "warmstart.epochs=1
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """Two steps of grpo without a stop; the resume tests compare their step 2 with its."""
+def grpo_run(tmp_path_factory):
+    """Two steps of grpo without a stop, progress lines and curves on (a resumed run may change logging.*):
+    ``(output folder, process)``. The method test reads its output, the resume tests compare their step 2 with
+    its."""
     out = str(tmp_path_factory.mktemp("resume") / "a")
-    train(out, *RESUME)
-    return out
+    return out, train(out, *RESUME, "logging.curves=true", "logging.progress=true")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(grpo_run):
+    return grpo_run[0]
 
 
 def _same_step_2(a, b, extra_keys=()):
@@ -153,15 +162,19 @@ def test_a_run_resumes_past_a_damaged_checkpoint(uninterrupted):
     _same_step_2(uninterrupted, b)
 
 
-@pytest.mark.parametrize("kill_at", ["update:2", "latest:2"])
-def test_a_run_killed_mid_step_resumes_to_the_same_next_step(uninterrupted, kill_at):
-    """SIGKILL inside step 2 (in its update; in its checkpoint, before ``latest`` moves): --resume redoes step 2
-    from the step-1 checkpoint and gets the uninterrupted run's numbers."""
-    b = os.path.join(os.path.dirname(uninterrupted), "killed_" + kill_at.replace(":", "_"))
-    proc = train(b, *RESUME, check=False, entry=(os.path.join(ROOT, "tests", "killed_run.py"),),
-                 env={"KILL_AT": kill_at})
-    assert proc.returncode == -9, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert open(os.path.join(b, "checkpoints", "latest")).read().strip() == "step_000001"
+def test_a_run_killed_mid_step_resumes_to_the_same_next_step(uninterrupted):
+    """SIGKILL inside step 2's PPO update; resumed, SIGKILL again inside the redone step 2's checkpoint, before
+    ``latest`` moves to it: each time ``latest`` still names step 1, and the last --resume redoes step 2 from the
+    step-1 checkpoint with the uninterrupted run's numbers. (One run killed at both points: the second kill is
+    taken in a resumed run, so step 1 is not trained twice for it.)"""
+    b = os.path.join(os.path.dirname(uninterrupted), "killed")
+    for kill_at, resume in (("update:2", False), ("latest:1", True)):  # the resumed run's first checkpoint is step 2's
+        proc = train(b, *RESUME, resume=resume, check=False, entry=(os.path.join(ROOT, "tests", "killed_run.py"),),
+                     env={"KILL_AT": kill_at})
+        assert proc.returncode == -9, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert f"killed_run: rank 0 SIGKILLed at {kill_at.split(':')[0]}" in proc.stdout
+        assert not resume or "resumed from" in proc.stdout and "step_000001" in proc.stdout
+        assert open(os.path.join(b, "checkpoints", "latest")).read().strip() == "step_000001"
     proc = train(b, *RESUME, resume=True)
     assert "resumed from" in proc.stdout and "step_000001" in proc.stdout
     _same_step_2(uninterrupted, b)

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import glob
 import json
-import math
 import os
 import statistics
 from typing import Optional
 
 from fastcredit.credit.accuracy import LABEL_SOURCES, LABELLED_METRICS
 from fastcredit.runtime.profiling import device_name, device_slug
+from fastcredit.runtime.stats import mean_interval
 
-# Two-sided 97.5% quantiles of Student's t for 1..10 degrees of freedom; 1.96 beyond.
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 # The credit metrics of the second table (``credit/<name>`` in metrics.jsonl; docs/methods.md §0) and their headers.
 # The labelled ones are measured against the toy world's gold labels, or a judge's (``credit/<name>/<judge>``).
 CREDIT_METRICS = {"turn_auc": "turn AUC", "turn_auc_within": "AUC within trajectories",
@@ -42,16 +40,6 @@ BEHAVIOUR_METRICS = {"searches_per_traj": "searches / trajectory", "turns_per_tr
                      "searches/harmful_per_traj": "harmful searches / trajectory",
                      "response_tokens_mean": "response tokens", "em": "sampled EM", "format_ok": "well-formed"}
 STRETCH = 10  # training steps averaged at the start and at the end of a run for the third table
-
-
-def mean_interval(xs: list[float]) -> tuple[float, Optional[float]]:
-    """``(mean, half-width of the 95% interval)``; the half-width is None for fewer than two values."""
-    n = len(xs)
-    mean = sum(xs) / n
-    if n < 2:
-        return mean, None
-    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
-    return mean, (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * sd / math.sqrt(n)
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -41,7 +41,7 @@ import time
 from typing import Optional
 
 from fastcredit.compare.report import read_metrics, summarize_run
-from fastcredit.config import ConfigError, config_drift, load_config
+from fastcredit.config import ConfigError, command_parser, config_drift, load_config
 from fastcredit.runtime.profiling import device_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: configs/, bench/
@@ -84,10 +84,11 @@ def train_command(config: str, overrides: list[str]) -> list[str]:
     return [sys.executable, *launcher, "-m", "fastcredit.train", "--config", config, *overrides]
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog="python -m fastcredit.compare", description=__doc__.split("\n\n")[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=os.path.join(ROOT, "configs", "compare.yaml"), help="the shared run config")
+def parser() -> argparse.ArgumentParser:
+    """The command's line: the shared config and its overrides, the methods, seeds and variants, where runs go."""
+    p = command_parser("python -m fastcredit.compare", __doc__,
+                       config="the shared run config (default: configs/compare.yaml)",
+                       config_default=os.path.join(ROOT, "configs", "compare.yaml"))
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
     p.add_argument("--seeds", type=int, default=3, help="seeds per method (the config's seed, +1, +2, ...)")
     p.add_argument("--noise", type=float, default=0.2, help="noisy-oracle variants of the judged methods (0: none)")
@@ -102,16 +103,23 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--runs", default=None,
                    help="folder of the runs (default: runs/<run_name>, runs/<run_name>_quick with --quick); "
                         "a run kept there must have been made with the settings this command gives it")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="where the report goes")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"),
+                   help="where the report goes (default: bench/results)")
     p.add_argument("--threshold", type=float, default=None,
                    help="EM for 'steps to threshold' (default: GRPO's final mean EM, or the first method's)")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from finished runs")
     p.add_argument("--staleness", default="", help="also each method under the split placement at these "
                                                     "rollout.max_staleness values (e.g. 0,1,2; 2 ranks each)")
-    args, overrides = p.parse_known_args(argv)
-    bad = [o for o in overrides if "=" not in o or o.startswith("-")]
-    if bad:
-        p.error(f"unknown argument(s): {' '.join(bad)} (config overrides are key=value)")
+    return p
+
+
+def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]]:
+    """The command line ``argv`` (None: the process's) read and checked: ``(args, the config overrides)``."""
+    p = parser()
+    args = p.parse_args(argv)
+    overrides = args.overrides
+    if not isinstance(args.config, str):
+        p.error("--config is given once: every run of the comparison starts from that one file")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
@@ -324,7 +332,7 @@ def runs_lock(runs: str):
 
 
 def main(argv: Optional[list] = None) -> int:
-    args, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
+    args, overrides = parse_args(argv)
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:

@@ -13,7 +13,6 @@ Exit status: 0 done, 2 bad arguments or a report that cannot be read.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -102,15 +101,21 @@ def plot(points: list[tuple[float, dict]], path: str, title: str, xlabel: str) -
     plt.close(fig)
 
 
-def main(argv: Optional[list] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fastcredit.compare.sweep", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser():
+    """The command line: the reports, one per setting, and where the sweep's files go."""
+    from fastcredit.config import command_parser
+
+    p = command_parser("python -m fastcredit.compare.sweep", __doc__)
     p.add_argument("--point", action="append", required=True, metavar="X=REPORT",
                    help="a comparison report's JSON at setting X (repeat, one per setting)")
     p.add_argument("--name", default="sweep", help="the sweep's name (its files: sweep_<name>.md / .png)")
     p.add_argument("--xlabel", default="K", help="what the setting is, for the plot and the table")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="where the files go")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    return p
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = parser().parse_args(argv)
     try:
         points = [read_point(spec) for spec in args.point]
     except ValueError as exc:

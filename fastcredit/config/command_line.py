@@ -1,40 +1,29 @@
-"""A command's arguments, read once into one object that the rest of the command reads.
+"""Every command's line, read once: one argparse parser per command, one Namespace out.
 
-    args = parse_command(argv, {"--resume": None, "--gpus": int})   # None: a switch; a type: a flag with a value
-    answer_help(args.help, USAGE)                                    # fastcredit.config.help: exits when asked
+    p = command_parser("python -m fastcredit.prepare", __doc__, config="the run's YAML (values only)")
+    p.add_argument("--resume", action="store_true", help="...")   # the command's own flags: plain argparse
+    args = p.parse_args(argv)             # argv None: sys.argv[1:]
     cfg = load_config(args.config or DEFAULT, args.overrides)
-    if args.has("--resume"): ...
 
-The words a command reads: ``-h`` / ``--help [PREFIX]`` (help wins over everything else on the line), ``--config
-X.yaml`` (more than once: overlays applied in order), the command's own flags, and ``key=value`` overrides. Any
-other ``--word`` is an error that names it.
+What every command shares: ``--help`` shows the usage line, the module docstring's prose, the flags and its
+examples (indented paragraphs); a bad flag or value exits 2 with the usage and a message naming the word. A command
+that takes a config (``config=...``) also reads ``--config X.yaml`` (more than once: overlays applied in order) and
+``key=value`` overrides anywhere on the line, and ``--help PREFIX`` lists the config keys under PREFIX (``--help
+rollout``, ``--help optim.lr``, ``--help all``). A help request is answered before anything else on the line is
+read.
 """
 from __future__ import annotations
 
-import typing
-from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+import argparse
+import sys
+import textwrap
+from typing import Optional, Sequence
 
 from fastcredit.config.errors import ConfigError
+from fastcredit.config.help import KEYS_POINTER, config_help, doc_parts
 
 HELP_FLAGS = ("-h", "--help")
-
-
-@dataclass
-class CommandLine:
-    """What the command line asked for. ``help``: None when no help was asked, ``""`` for a plain ``--help``, else
-    the key prefix (``--help rollout``); the other fields are empty then. ``config``: the ``--config`` path (a list
-    when given more than once; None without one); ``overrides``: the ``key=value`` words in order; ``flags``: the
-    command's own flags given, ``{flag: value}`` (True for a switch), in the order first given."""
-
-    help: Optional[str] = None
-    config: Union[str, list, None] = None
-    overrides: list = field(default_factory=list)
-    flags: dict = field(default_factory=dict)
-
-    def has(self, flag: str) -> bool:
-        """Whether ``flag`` was given."""
-        return flag in self.flags
+HELP_WIDTH = 118  # --help's lines, whatever the terminal: the width of the docstrings it shows
 
 
 def help_request(argv: Sequence[str]) -> Optional[str]:
@@ -51,62 +40,99 @@ def help_request(argv: Sequence[str]) -> Optional[str]:
     return None
 
 
-def parse_command(argv: Sequence[str], flags: Optional[dict] = None) -> CommandLine:
-    """``argv`` (a command's arguments, ``sys.argv[1:]``) as one :class:`CommandLine`. ``flags``: the command's
-    own, ``{flag: None}`` for a switch, ``{flag: type}`` for ``--flag value`` / ``--flag=value`` (the value read
-    with ``type``). A help request is answered first: nothing else is read then. A missing or unreadable value,
-    a value given to a switch and an unknown ``--flag`` are ConfigErrors that name the word."""
-    args = list(argv)
-    asked = help_request(args)
-    if asked is not None:
-        return CommandLine(help=asked)
-    flags = flags or {}
-    paths: list = []
-    got = CommandLine()
-    while args:
-        a = args.pop(0)
-        name, eq, value = a.partition("=")
-        if name in flags:
-            if flags[name] is None:
-                if eq:
-                    raise ConfigError(f"{name} takes no value")
-                got.flags[name] = True
-                continue
-            if not eq:
-                value = _value(name, args)
-            got.flags[name] = _read(name, value, flags[name])
-        elif name == "--config":
-            paths.append(value if eq else _value(name, args, "a YAML path"))
-        elif a.startswith("--"):
-            raise ConfigError(f"unknown flag {a!r}; overrides are written key=value without dashes")
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The docstring's line breaks kept; a documented flag shows its default when it has one; lines of
+    ``HELP_WIDTH``."""
+
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
+                 width: Optional[int] = None):
+        super().__init__(prog, indent_increment, max_help_position, width or HELP_WIDTH)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default not in (None, "", False, [], argparse.SUPPRESS) and action.option_strings and text \
+                and "(default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser (build it with :func:`command_parser`): argparse's, with help answered first and, for a
+    command with a config, ``--config`` and ``key=value`` overrides read anywhere on the line."""
+
+    def __init__(self, prog: str, doc: str, *, usage: Optional[str] = None, config: Optional[str] = None,
+                 config_default: Optional[str] = None, keys: Optional[type] = None, help_prefixes: str = ""):
+        prose, examples = doc_parts(doc)
+        epilog = ["examples:\n" + textwrap.indent(examples, "  ")] if examples else []
+        if config is not None:
+            epilog.append(KEYS_POINTER)
+        super().__init__(prog=prog, usage=usage, description=prose, epilog="\n\n".join(epilog) or None,
+                         formatter_class=HelpFormatter, add_help=False, allow_abbrev=False)
+        self.takes_config = config is not None
+        self.config_default, self.keys = config_default, keys
+        if self.takes_config:  # a group of their own, after the command's flags
+            group = self.add_argument_group("config")
+            group.add_argument("--config", action="append", metavar="X.yaml", help=config)
+            group.add_argument("overrides", nargs="*", metavar="key=value",
+                               help="config overrides, applied after the YAML (e.g. optim.lr=3e-4)")
+            shown = f" ({help_prefixes}, all)" if help_prefixes else ""
+            group.add_argument("-h", "--help", nargs="?", metavar="PREFIX",
+                               help=f"this help; with PREFIX the config keys under it{shown}")
         else:
-            got.overrides.append(a)
-    got.config = paths[0] if len(paths) == 1 else paths or None
-    return got
+            self.add_argument("-h", "--help", action="store_true", help="show this help message and exit")
+
+    def parse_args(self, args: Optional[Sequence[str]] = None, namespace=None) -> argparse.Namespace:
+        """``args`` (default ``sys.argv[1:]``) as one Namespace: help answered first (and the process left), then
+        the flags and, for a command with a config, ``args.config`` (the ``--config`` path, a list of them in order
+        when given more than once, else ``config_default``, else None) and ``args.overrides``. An unknown flag or a
+        word that is not ``key=value`` exits 2 naming it."""
+        args = list(sys.argv[1:] if args is None else args)
+        asked = help_request(args)
+        if asked is not None:
+            self.answer_help(asked)
+        if not self.takes_config:
+            ns, unknown = self.parse_known_args(args, namespace)
+            if unknown:
+                self.error(f"unknown flag {' '.join(unknown)}" if unknown[0].startswith("-") else
+                           f"unexpected word {' '.join(unknown)}")
+            del ns.help
+            return ns
+        ns, unknown = self.parse_known_intermixed_args(args, namespace)
+        if unknown:
+            self.error(f"unknown flag {' '.join(unknown)}; overrides are written key=value without dashes")
+        for word in ns.overrides:
+            if "=" not in word or word.startswith("="):
+                self.error(f"{word!r} is neither a flag nor a key=value override")
+        if ns.config is None and self.config_default is not None:
+            ns.config = [self.config_default]
+        if ns.config is not None and len(ns.config) == 1:
+            ns.config = ns.config[0]
+        del ns.help
+        return ns
+
+    def answer_help(self, prefix: str) -> None:
+        """Print the help asked for and exit 0: the usage for a plain ``--help`` (or any ``--help`` of a command
+        without a config), else the config keys under ``prefix``; an unknown prefix names the closest keys and
+        exits 2."""
+        if not prefix or not self.takes_config:
+            self.print_help()
+            self.exit(0)
+        try:
+            text = config_help(prefix, self.keys)
+        except ConfigError as exc:
+            print(f"--help: {exc}", file=sys.stderr)
+            self.exit(2)
+        print(text)
+        self.exit(0)
 
 
-def _value(name: str, args: list, what: str = "a value") -> str:
-    """The word after flag ``name`` (taken from ``args``): its value, unless there is none or it is a flag."""
-    if not args or args[0].startswith("--"):
-        raise ConfigError(f"{name} needs {what}")
-    return args.pop(0)
-
-
-def _read(name: str, value: str, kind: typing.Callable):
-    try:
-        return kind(value)
-    except ValueError:
-        raise ConfigError(f"{name}: {value!r} is not a valid value") from None
-
-
-def parse_cli(argv: Sequence[str]) -> tuple[Union[str, list[str], None], list[str]]:
-    """Split ``[--config X.yaml [--config OVERLAY.yaml …]] [key=value …]``: the path (a list when ``--config``
-    is given more than once, applied in order by :func:`load_config`) and the overrides, for a command whose
-    help was answered already (``fastcredit.config.help.handle_help``); a command with flags of its own reads
-    its whole line with :func:`parse_command`."""
-    for a in argv:
-        if a in HELP_FLAGS or a.startswith("--help="):
-            raise ConfigError(f"{a} reached the config parser; "
-                              "call fastcredit.config.help.handle_help(argv, ...) first")
-    got = parse_command(argv)
-    return got.config, got.overrides
+def command_parser(prog: str, doc: str, *, usage: Optional[str] = None, config: Optional[str] = None,
+                   config_default: Optional[str] = None, keys: Optional[type] = None,
+                   help_prefixes: str = "") -> CommandParser:
+    """The parser of the command ``prog`` (``python -m fastcredit.eval``). ``doc``: its module docstring (the prose
+    and the indented examples of ``--help``); ``usage``: a synopsis in place of argparse's; ``config``: the help of
+    ``--config`` for a command that takes a config (None: it takes none); ``config_default``: the path used when no
+    ``--config`` is given; ``keys``: the config tree ``--help PREFIX`` lists (default the training config's);
+    ``help_prefixes``: example prefixes named in ``--help``'s own help (``rollout, optim.lr``)."""
+    return CommandParser(prog, doc, usage=usage, config=config, config_default=config_default, keys=keys,
+                         help_prefixes=help_prefixes)

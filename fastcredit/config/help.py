@@ -1,30 +1,23 @@
-"""Command-line help shared by every ``python -m fastcredit.<command>``: a usage section per command, and the
-config keys on request.
+"""What ``--help`` shows: a command's prose and examples from its docstring, and the config keys on request.
 
     python -m fastcredit.train --help                 # usage, flags, examples
     python -m fastcredit.train --help rollout         # the rollout.* keys: type, default, documentation
     python -m fastcredit.train --help optim.lr
     python -m fastcredit.train --help all             # every config key
 
-A command with config keys reads its line once (``fastcredit.config.command_line.parse_command``) and passes the
-help it asked for to :func:`answer_help` (or calls :func:`handle_help` on its arguments first thing in its
-``main``), with a usage section built by :func:`format_usage` from its module docstring; an argparse command builds
-its parser with :func:`argparser`.
+The parser that reads a command's line and answers its help is ``fastcredit.config.command_line``'s.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import math
 import re
-import sys
 import textwrap
 import typing
-from typing import Literal, Optional, Sequence
+from typing import Literal, Optional
 
-from fastcredit.config import ConfigError
-from fastcredit.config.command_line import help_request
+from fastcredit.config.errors import ConfigError
 
 KEYS_POINTER = "config keys: --help <prefix> (e.g. --help rollout, --help optim.lr), --help all for every key"
 
@@ -47,71 +40,18 @@ def doc_parts(doc: str) -> tuple[str, str]:
     return "\n\n".join(prose), "\n".join(examples)
 
 
-def format_usage(synopsis: str, doc: str, flags: str = "") -> str:
-    """A command's usage section: ``usage: <synopsis>``, what it does (``doc``'s prose), ``flags`` (preformatted
-    ``--flag  meaning`` lines) and examples (``doc``'s indented lines). ``doc`` is the module's docstring."""
-    prose, examples = doc_parts(doc)
-    parts = [f"usage: {synopsis}", prose]
-    if flags.strip():
-        parts.append("flags:\n" + textwrap.indent(textwrap.dedent(flags).strip("\n"), "  "))
-    if examples:
-        parts.append("examples:\n" + textwrap.indent(examples, "  "))
-    return "\n\n".join(p for p in parts if p)
-
-
-def argparser(prog: str, doc: str, **kw) -> argparse.ArgumentParser:
-    """An ArgumentParser whose ``--help`` shows the usage line, ``doc``'s prose and its examples (``doc``: the
-    module docstring, as for :func:`format_usage`)."""
-    prose, examples = doc_parts(doc)
-    return argparse.ArgumentParser(prog=prog, description=prose, epilog="examples:\n" + textwrap.indent(examples, "  ")
-                                   if examples else None, formatter_class=_Formatter, **kw)
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """The docstring's line breaks kept; a documented option shows its default when it has one."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if action.default not in (None, "", False, argparse.SUPPRESS) and action.option_strings and text:
-            text += " (default: %(default)s)"
-        return text
-
-
-def take_flags(argv: Sequence[str], names: dict) -> tuple[dict, list]:
-    """Take a command's own flags out of ``argv``: ``({flag: value}, the rest)``. ``names``: ``{flag: type}``
-    for ``--flag value`` / ``--flag=value`` (the value read with ``type``), ``{flag: None}`` for a switch (True).
-    A missing or unreadable value is a ConfigError naming the flag."""
-    opts, rest, args = {}, [], list(argv)
-    while args:
-        a = args.pop(0)
-        name, eq, value = a.partition("=")
-        if name in names and names[name] is None:
-            opts[name] = True
-        elif name in names:
-            if not eq:
-                if not args or args[0].startswith("--"):
-                    raise ConfigError(f"{name} needs a value")
-                value = args.pop(0)
-            try:
-                opts[name] = names[name](value)
-            except ValueError:
-                raise ConfigError(f"{name}: {value!r} is not a valid value") from None
-        else:
-            rest.append(a)
-    return opts, rest
-
-
 def _sections(keys: list[str]) -> list[str]:
     return sorted({k.rsplit(".", n)[0] for k in keys for n in range(1, k.count(".") + 1)})
 
 
-def matching_keys(prefix: str) -> list[str]:
+def matching_keys(prefix: str, root: Optional[type] = None) -> list[str]:
     """The config keys under ``prefix``: the key itself and those below it (``rollout`` → ``rollout.*``), else
-    those whose name starts with it (``optim.warm`` → ``optim.warmup_ratio``); ``all``: every key. Raises
-    ConfigError naming the closest keys and sections when none matches."""
-    from fastcredit.config import all_keys
+    those whose name starts with it (``optim.warm`` → ``optim.warmup_ratio``); ``all``: every key. ``root``: the
+    config tree (default the training config's). Raises ConfigError naming the closest keys and sections when none
+    matches."""
+    from fastcredit.config.load import all_keys
 
-    keys = all_keys()
+    keys = all_keys(root) if root is not None else all_keys()
     if prefix == "all":
         return keys
     found = [k for k in keys if k == prefix or k.startswith(prefix + ".")] or [k for k in keys if k.startswith(prefix)]
@@ -124,11 +64,12 @@ def matching_keys(prefix: str) -> list[str]:
     raise ConfigError(f"no config key starts with '{prefix}'{hint} (--help all lists every key)")
 
 
-def config_help(prefix: str) -> str:
-    """The listing of the keys under ``prefix`` (:func:`matching_keys`) with type, default and documentation."""
-    keys = matching_keys(prefix)
+def config_help(prefix: str, root: Optional[type] = None) -> str:
+    """The listing of the keys of the config tree ``root`` (default the training config's) under ``prefix``
+    (:func:`matching_keys`) with type, default and documentation."""
+    keys = matching_keys(prefix, root)
     head = "every config key" if prefix == "all" else f"config keys under '{prefix}'"
-    return f"{head} (set them in the YAML or as key=value):\n" + describe(keys=set(keys)).lstrip("\n")
+    return f"{head} (set them in the YAML or as key=value):\n" + describe(root, keys=set(keys)).lstrip("\n")
 
 
 def describe(cls=None, prefix: str = "", keys: Optional[typing.Collection[str]] = None) -> str:
@@ -161,34 +102,3 @@ def _type_name(tp) -> str:
     if typing.get_origin(tp) is typing.Union:
         return "optional " + " | ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
     return getattr(tp, "__name__", str(tp))
-
-
-def handle_help(argv: Sequence[str], usage: str, config_keys: bool = True) -> None:
-    """Print help and exit 0 when ``argv`` asks for it (:func:`help_request`); return (printing nothing)
-    otherwise. A command that reads its line with :func:`~fastcredit.config.command_line.parse_command` passes
-    what it found to :func:`answer_help` instead."""
-    answer_help(help_request(argv), usage, config_keys)
-
-
-def answer_help(prefix: Optional[str], usage: str, config_keys: bool = True) -> None:
-    """Print the help asked for and exit 0; return (printing nothing) when ``prefix`` is None (none asked).
-
-    ``prefix``: ``""`` for a plain ``--help``, else the key prefix after it (``CommandLine.help``). ``usage``: the
-    command's usage section, e.g. ``format_usage("python -m fastcredit.eval [--config X.yaml] [key=value ...]",
-    __doc__, FLAGS)``. ``config_keys``: the command takes config overrides, so ``--help`` ends with a pointer to the
-    key listing, ``--help PREFIX`` prints only the keys under PREFIX (``rollout``, ``rollout.proceed``,
-    ``optim.lr``) and ``--help all`` every key; an unknown PREFIX prints an error naming the closest keys and exits
-    2. Without config keys a word after ``--help`` is ignored and the usage is printed.
-    """
-    if prefix is None:
-        return
-    if not prefix or not config_keys:
-        print(usage + (f"\n\n{KEYS_POINTER}" if config_keys else ""))
-        raise SystemExit(0)
-    try:
-        text = config_help(prefix)
-    except ConfigError as exc:
-        print(f"--help: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    print(text)
-    raise SystemExit(0)

@@ -15,10 +15,10 @@ Pure tensor functions, chosen by name (docs/methods.md §1-6, §10, §11)::
     dapo.py        DAPO dynamic sampling (which groups to drop, how many prompts to refill)
     metrics.py     the advantage statistics every estimator reports
     accuracy.py    credit accuracy per turn: turn AUC and miscredit against good / wasted search labels
-    config.py      the ``credit.*`` config section (no torch)
 
-Names are imported lazily (PEP 562) so that ``fastcredit.config.credit``, which the
-config loader reads, stays free of torch.
+``CreditConfig``, the ``credit.*`` config section, lives in ``fastcredit.config.credit`` (no torch) and is
+exported here too. Names are imported lazily (PEP 562) so that the config loader, which reads that
+section, stays free of torch.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ _EXPORTS = {
     "ESTIMATORS": "registry", "REFERENCES": "registry", "compute_advantages": "registry",
     "estimator_names": "registry", "estimator_needs": "registry", "get_estimator": "registry",
     "register_estimator": "registry",
-    "CreditConfig": "config",
+    "CreditConfig": "fastcredit.config.credit",
     "DynamicSamplingDecision": "dapo", "dynamic_sampling_step": "dapo", "take_groups": "dapo",
     "estimator_metrics": "metrics",
 }
@@ -40,7 +40,8 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'fastcredit.credit' has no attribute {name!r}")
-    module = importlib.import_module(f"fastcredit.credit.{_EXPORTS[name]}")
-    if _EXPORTS[name] == "registry":
+    where = _EXPORTS[name]
+    module = importlib.import_module(where if "." in where else f"fastcredit.credit.{where}")
+    if where == "registry":
         module.load_estimators()
     return getattr(module, name)

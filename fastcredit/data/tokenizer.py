@@ -41,17 +41,6 @@ def build_tiny_tokenizer(texts: Iterable[str], vocab_size: int = 2000, out_dir: 
     return fast
 
 
-def tag_token_ids(tokenizer) -> dict[str, int]:
-    """Id of every agent tag; raises if the tokenizer splits a tag into several tokens."""
-    ids = {}
-    for tag in AGENT_TAGS:
-        enc = tokenizer.encode(tag, add_special_tokens=False)
-        if len(enc) != 1:
-            raise ValueError(f"tokenizer splits {tag!r} into {len(enc)} tokens; stop tags must be single tokens")
-        ids[tag] = enc[0]
-    return ids
-
-
 def load_tokenizer(folder: str):
     """The tokenizer of an exported ``folder`` as the run used it: the class its tokenizer_config.json names
     (NOTE: transformers 5 makes ``AutoTokenizer`` build the model type's own tokenizer class for some types,

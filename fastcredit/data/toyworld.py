@@ -24,7 +24,6 @@ Files written by ``write_world`` (the same config gives byte-identical files):
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -348,25 +347,31 @@ def load_world(out_dir: str) -> ToyWorld:
     return ToyWorld(cfg, entities, passages, facts, load_toyworld(out_dir, "train"), load_toyworld(out_dir, "test"))
 
 
-def _flags(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
+def _flags(p, cls, prefix: str = "") -> None:
+    """One flag per field of ``cls`` (a nested section's fields under its name: ``--lookup-min-k``)."""
     for f in dataclasses.fields(cls):
         name = prefix + f.name
-        if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None) or f.name == "lookup":
-            _flags(parser, LookupWorldConfig, name + "_")
+        if f.name == "lookup":
+            _flags(p, LookupWorldConfig, name + "_")
             continue
         choices = typing.get_args(typing.get_type_hints(cls)[f.name]) or None
-        default = f.default
-        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, choices=choices,
-                            help=f"{f.metadata['help']} (default {default})")
+        p.add_argument("--" + name.replace("_", "-"), type=type(f.default), default=f.default, choices=choices,
+                       help=f"{f.metadata['help']} (default {f.default})")
+
+
+def parser():
+    """The command line: the output folder and one flag per ToyWorldConfig field (the lookup section's too)."""
+    from fastcredit.config import command_parser
+
+    p = command_parser("python -m fastcredit.data.toyworld", "Write the toy world's files.")
+    p.add_argument("--out", required=True, help="output folder")
+    _flags(p, ToyWorldConfig)
+    return p
 
 
 def main(argv: Optional[list] = None) -> int:
     """The command line: generate, write, print the summary; exit status 2 on a bad config."""
-    parser = argparse.ArgumentParser(prog="python -m fastcredit.data.toyworld",
-                                     description="Write the toy world's files.")
-    parser.add_argument("--out", required=True, help="output folder")
-    _flags(parser, ToyWorldConfig)
-    args = vars(parser.parse_args(argv))
+    args = vars(parser().parse_args(argv))
     lookup = LookupWorldConfig(**{f.name: args[f"lookup_{f.name}"] for f in dataclasses.fields(LookupWorldConfig)})
     cfg = ToyWorldConfig(**{f.name: args[f.name] for f in dataclasses.fields(ToyWorldConfig) if f.name != "lookup"},
                          lookup=lookup)

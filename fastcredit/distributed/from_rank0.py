@@ -63,21 +63,3 @@ def load_from_rank0(model: nn.Module, full: dict, info: DistInfo, device: torch.
     set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True,
                                                                      broadcast_from_rank0=True))
     broadcast_buffers(model, info)
-
-
-def broadcast_module(module: nn.Module, info: DistInfo, device: torch.device) -> nn.Module:
-    """An unsharded module (the HF rollout engine's own copy) whole on every rank, from rank 0's tensors:
-    ranks with meta tensors allocate them on ``device`` first. No-op when no rank holds meta tensors."""
-    meta = has_meta(module)
-    if not max_over_ranks(int(meta), info):
-        return module
-    if info.rank == 0 and meta:
-        raise RuntimeError("rank 0 must hold the real weights the other ranks receive; it holds meta tensors")
-    module = module.to_empty(device=device) if meta else module.to(device)
-    if meta and hasattr(module, "tie_weights"):
-        module.tie_weights()  # to_empty gives tied parameters (embeddings and LM head) storage of their own
-    tensors = dict(module.named_parameters())
-    tensors.update(module.named_buffers())
-    for name in sorted(tensors):
-        dist.broadcast(tensors[name].data, src=0)
-    return module

@@ -89,9 +89,15 @@ class DistInfo:
         return self.world_size > 1
 
 
+def world_size_here() -> int:
+    """The job's number of ranks, from torchrun's environment (1 without torchrun); readable before the process
+    group starts, so a config can be checked against it first."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed(backend: str = "auto", shard_size: int = -1) -> DistInfo:
     """Initialise the process group from torchrun's environment (a no-op for one process)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size_here()
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")

@@ -4,7 +4,7 @@ resolved to one: what ``python -m fastcredit.export``, ``fastcredit.eval`` and `
     folder = export_checkpoint("runs/x", "exports/x", step=200)      # the command's work
     folder = export_once("runs/x", "runs/x/exports/step_000200")     # reused while the checkpoint is as it was
     folder, run, step = resolve_model("runs/x", None)                # a folder as is; a run's step exported once
-    cfg = model_config("runs/x", ["rollout.max_turns=5"])           # --config, else the run's config.yaml
+    cfg = model_config("runs/x", None, ["rollout.max_turns=5"])     # --config, else the run's config.yaml
 
 The folder's layout, how each checkpoint kind is read and the tokenizer note are in ``fastcredit.export``'s
 docstring (the command's ``--help``).
@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from fastcredit.config import ConfigError, TrainConfig, load_config, parse_cli
+from fastcredit.config import ConfigError, TrainConfig, load_config
 from fastcredit.config.checks import check_paths
 from fastcredit.data.tokenizer import load_tokenizer
 from fastcredit.distributed.weights import (DTYPES, ExportError, checkpoint_key, find_checkpoint,
@@ -270,10 +270,9 @@ def resolve_model(model: str, step: Optional[int]) -> tuple[str, Optional[str], 
     return folder, model, step
 
 
-def model_config(model: str, rest: list) -> TrainConfig:
-    """The config of a command that takes ``--model``: ``--config``, else a run folder's ``config.yaml``, else the
-    defaults; then the ``key=value`` overrides in ``rest``."""
-    path, overrides = parse_cli(rest)
+def model_config(model: str, path: Union[str, list, None], overrides: Sequence[str] = ()) -> TrainConfig:
+    """The config of a command that takes ``--model``: ``path`` (its ``--config``), else a run folder's
+    ``config.yaml``, else the defaults; then the ``key=value`` ``overrides``."""
     if path is None and is_run(model):
         path = os.path.join(model, "config.yaml")
     return load_config(path, overrides)

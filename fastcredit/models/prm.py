@@ -83,14 +83,6 @@ def prm_loss(z_P: torch.Tensor, cu_P: torch.Tensor, outcome_B: torch.Tensor, piv
     return final_B + lambda_g * gold_B, {"final_B": final_B.detach(), "gold_B": gold_B.detach()}
 
 
-def log_gains(f_P: torch.Tensor, cu_P: torch.Tensor) -> torch.Tensor:
-    """``log f(t) − log f(t−1)`` at every turn placeholder (``[P − B]``, trajectory by trajectory)."""
-    logf = torch.log(f_P.double())
-    first = torch.zeros(f_P.numel(), dtype=torch.bool)
-    first[cu_P[:-1]] = True
-    return (logf - torch.roll(logf, 1))[~first]
-
-
 def hazards(f0_B: torch.Tensor, f_S: torch.Tensor, traj_S: torch.Tensor, t_S: torch.Tensor) -> torch.Tensor:
     """The hazard form ``h_t = 1 − f(t)/f(t−1)`` clamped to ``[0, 1]`` (``pica.step_reward=linear``), ``[S]``."""
     prev = torch.where(t_S == 1, f0_B[traj_S], torch.roll(f_S, 1))

@@ -53,24 +53,33 @@ from fastcredit.rollout.engines.base import GenOutput
 
 SYNOPSIS = ("python -m fastcredit.prm.label --config X.yaml --model DIR|runs/X|scripted[:p] [flags] "
             "[key=value ...]")
-FLAG_HELP = """
---model M           a Hugging Face folder, a run folder (its checkpoint is exported, as fastcredit.eval does), or
-                    scripted[:p]: the toy world's noisy oracle (p: chance of each gold sub-query, default 0.6)
---step N            with a run folder: the checkpoint step (default: the latest)
---samples N         trajectories per question (default 5, as PiCA)
---questions N       label N questions, spread evenly over the data sources (default: all of the split)
---split NAME        train | test (default train)
---labeller L        rule (the toy world's gold facts; its default there) | judge (judges.backend; else the default)
---out FILE          the parquet written (default runs/prm_data/<split>.parquet)
---seed S            question choice and sampling seeds (default: the config's seed)
---engine E          auto | vllm | hf, for a model folder (as fastcredit.eval)
---batch N           questions rolled out and labelled together (default 64)
---config X.yaml     the config (default: a run folder's config.yaml); key=value overrides after it
--h, --help [PREFIX] this help; with PREFIX the config keys under it (rollout, judges, all)
-"""
-FLAGS = {"--model": str, "--step": int, "--samples": int, "--questions": int, "--split": str, "--labeller": str,
-         "--out": str, "--seed": int, "--engine": str, "--batch": int}
 LABELLERS = ("rule", "judge")
+
+
+def parser():
+    """The command's line: the model, what to label and how, the config and its overrides."""
+    from fastcredit.config import command_parser
+
+    p = command_parser("python -m fastcredit.prm.label", __doc__, usage=SYNOPSIS, help_prefixes="rollout, judges",
+                       config="the config (default: a run folder's config.yaml); key=value overrides after it")
+    p.add_argument("--model", required=True, metavar="M",
+                   help="a Hugging Face folder, a run folder (its checkpoint is exported, as fastcredit.eval does), "
+                        "or scripted[:p]: the toy world's noisy oracle (p: chance of each gold sub-query, default 0.6)")
+    p.add_argument("--step", type=int, metavar="N", help="with a run folder: the checkpoint step (default: the latest)")
+    p.add_argument("--samples", type=int, default=5, metavar="N", help="trajectories per question (PiCA samples 5)")
+    p.add_argument("--questions", type=int, metavar="N",
+                   help="label N questions, spread evenly over the data sources (default: all of the split)")
+    p.add_argument("--split", default="train", metavar="NAME", help="train | test")
+    p.add_argument("--labeller", metavar="L",
+                   help="rule (the toy world's gold facts; its default there) | judge (judges.backend; else the "
+                        "default)")
+    p.add_argument("--out", metavar="FILE", help="the parquet written (default runs/prm_data/<split>.parquet)")
+    p.add_argument("--seed", type=int, metavar="S",
+                   help="question choice and sampling seeds (default: the config's seed)")
+    p.add_argument("--engine", default="auto", metavar="E", help="auto | vllm | hf, for a model folder (as "
+                                                                 "fastcredit.eval)")
+    p.add_argument("--batch", type=int, default=64, metavar="N", help="questions rolled out and labelled together")
+    return p
 
 
 # ------------------------------------------------------------------------------------------ labels
@@ -386,23 +395,14 @@ def label_dataset(cfg: TrainConfig, model: str, *, samples: int = 5, questions: 
 
 def main(argv: Optional[list] = None) -> int:
     from fastcredit.distributed.checkpoint import CheckpointError
-    from fastcredit.config.help import take_flags
     from fastcredit.models.export import ExportError, model_config
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv or any(a.startswith("--help=") for a in argv):
-        from fastcredit.config.help import format_usage, handle_help
-
-        handle_help(argv, format_usage(SYNOPSIS, __doc__, FLAG_HELP))
+    args = parser().parse_args(argv)
     try:
-        opts, rest = take_flags(argv, FLAGS)
-        if "--model" not in opts:
-            raise ConfigError("--model DIR|runs/X|scripted[:p] is required (see --help)")
-        cfg = model_config(opts["--model"], rest)
-        res = label_dataset(cfg, opts["--model"], samples=opts.get("--samples", 5), questions=opts.get("--questions"),
-                            split=opts.get("--split", "train"), labeller=opts.get("--labeller"), out=opts.get("--out"),
-                            seed=opts.get("--seed"), step=opts.get("--step"), engine=opts.get("--engine", "auto"),
-                            batch=opts.get("--batch", 64), progress=cfg.logging.progress)
+        cfg = model_config(args.model, args.config, args.overrides)
+        res = label_dataset(cfg, args.model, samples=args.samples, questions=args.questions, split=args.split,
+                            labeller=args.labeller, out=args.out, seed=args.seed, step=args.step, engine=args.engine,
+                            batch=args.batch, progress=cfg.logging.progress)
     except (ConfigError, DataError, FileNotFoundError, ExportError, CheckpointError) as exc:
         print(f"label error: {exc}", file=sys.stderr)
         return 2

@@ -52,7 +52,7 @@ import torch
 from aiohttp import web
 
 from fastcredit.runtime.batching import MicroBatcher, isolate_failures
-from fastcredit.config.help import argparser
+from fastcredit.config import command_parser
 from fastcredit.retrieval.httpserver import (TIMEOUTS, RequestError, ServerThread, Timeouts, add_address_flags,
                                              add_limit_flags, check_positive, json_error, json_errors, read_body,
                                              run_server, serve_forever, submit_batch, text_list)
@@ -196,9 +196,9 @@ def load_reward_app(folder: str, device="cpu", special: Optional[str] = None, ou
     return make_app(prm_batch_fn(scorer, special, output), special, limits, info), info
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     d = RewardServerLimits()
-    p = argparser("python -m fastcredit.prm.serve", __doc__)
+    p = command_parser("python -m fastcredit.prm.serve", __doc__)
     p.add_argument("--model", "--reward_pretrain", dest="model", required=True,
                    help="PRM folder (python -m fastcredit.prm.train exports one)")
     add_address_flags(p, port=DEFAULT_PORT)
@@ -240,7 +240,8 @@ def open_app(a: argparse.Namespace, limits: RewardServerLimits,
 
 
 def main(argv: Optional[list] = None) -> int:
-    return run_server(_parser(), RewardServerLimits, open_app, argv, path=PATH, log=log, serve=serve_forever)
+    p = parser()
+    return run_server(p, p.parse_args(argv), RewardServerLimits, open_app, path=PATH, log=log, serve=serve_forever)
 
 
 if __name__ == "__main__":

@@ -36,8 +36,7 @@ import numpy as np
 import torch
 
 from fastcredit.distributed.checkpoint import resume_checkpoint, save_checkpoint
-from fastcredit.config.help import describe, format_usage, help_request
-from fastcredit.config import ConfigError, all_keys, load_config, parse_cli, save_config, to_dict
+from fastcredit.config import ConfigError, command_parser, load_config, save_config, to_dict
 from fastcredit.runtime.files import built_from, mark_built, seed_everything, wait_for_built
 from fastcredit.data.loaders import DataError
 from fastcredit.data.tokenizer import build_tiny_tokenizer
@@ -368,34 +367,27 @@ def export_prm(cfg: PRMTrainConfig, tokenizer) -> str:
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                               "configs", "prm.yaml")
 SYNOPSIS = "python -m fastcredit.prm.train [--config X.yaml] [key=value ...] [--resume | --export-only]"
-FLAGS = """
---config X.yaml       the run's YAML (values only; default configs/prm.yaml); key=value overrides apply after it
---resume              continue from the run folder's last checkpoint (data position, RNG; metrics.jsonl cut back)
---export-only         write <output_dir>/export from the run's last checkpoint and exit (one process)
--h, --help [PREFIX]   this help; with PREFIX the config keys under it (optim, prm.tau_g, all)
-"""
 
 
-def _help(argv: list) -> None:
-    prefix = help_request(argv)
-    if prefix is None:
-        return
-    keys = {k for k in all_keys(PRMTrainConfig) if prefix == "all" or k == prefix or k.startswith(prefix)}
-    text = describe(PRMTrainConfig, keys=keys).lstrip("\n") if prefix else format_usage(SYNOPSIS, __doc__, FLAGS)
-    print(text or f"--help: no config key starts with '{prefix}' (--help all lists every key)",
-          file=sys.stdout if text else sys.stderr)
-    raise SystemExit(0 if text else 2)
+def parser():
+    """The command's line: the config, its overrides (PRMTrainConfig's keys) and the run's flags."""
+    p = command_parser("python -m fastcredit.prm.train", __doc__, usage=SYNOPSIS, keys=PRMTrainConfig,
+                       config_default=DEFAULT_CONFIG, help_prefixes="optim, prm.tau_g",
+                       config="the run's YAML (values only; default configs/prm.yaml); key=value overrides apply "
+                              "after it")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the run folder's last checkpoint (data position, RNG; metrics.jsonl cut back)")
+    p.add_argument("--export-only", action="store_true",
+                   help="write <output_dir>/export from the run's last checkpoint and exit (one process)")
+    return p
 
 
 def main(argv: Optional[list] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    _help(argv)
+    args = parser().parse_args(argv)
     quiet_library_bars()  # a log gets plain progress lines, not the libraries' bar frames
-    resume, export_only = "--resume" in argv, "--export-only" in argv
-    argv = [a for a in argv if a not in ("--resume", "--export-only")]
+    resume, export_only = args.resume, args.export_only
     try:
-        path, overrides = parse_cli(argv)
-        cfg = load_config(path or DEFAULT_CONFIG, overrides, root=PRMTrainConfig)
+        cfg = load_config(args.config, args.overrides, root=PRMTrainConfig)
         cfg.check_paths(data=not export_only)
         if export_only:
             export_prm(cfg, load_prm_tokenizer(cfg, cfg.logging.output_dir))

@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from fastcredit.config.help import argparser
+from fastcredit.config import command_parser
 from fastcredit.retrieval.cli import add_encoder_args
 from fastcredit.retrieval.corpus import CorpusStore, open_corpus_store
 from fastcredit.retrieval.encoders import Encoder
@@ -149,8 +149,8 @@ def build_all(corpus: str, out_dir: str, encoder: str = "minilm", pooling: str =
     return out_dir
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparser("python -m fastcredit.retrieval.build", __doc__)
+def parser() -> argparse.ArgumentParser:
+    p = command_parser("python -m fastcredit.retrieval.build", __doc__)
     p.add_argument("--corpus", required=True, help="corpus jsonl (Search-R1 format: id, contents)")
     p.add_argument("--out", required=True, help="output folder (created; resumed when it holds a partial build)")
     add_encoder_args(p, query_prefix_help="recorded for search time (E5: 'query: ')",
@@ -169,7 +169,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list] = None) -> int:
-    a = _parser().parse_args(argv)
+    a = parser().parse_args(argv)
     out = build_all(a.corpus, a.out, a.encoder, a.pooling, a.query_prefix, a.passage_prefix, a.max_length,
                     a.index_type, a.batch_size, a.chunk_size, a.device, a.dtype, a.tokenizer, a.hnsw_m, a.nlist,
                     a.pq_m, max_chunks=a.max_chunks, overwrite=a.overwrite, progress=not a.quiet)

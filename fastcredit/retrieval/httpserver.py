@@ -6,7 +6,7 @@ or the foreground process, as both servers' ``main``: :func:`run_server`).
 
     with ServerThread(make_app(...)) as url: ...          # tests, benchmarks, inside a trainer
     serve_forever(make_app(...), "127.0.0.1", 8000)      # the foreground, until SIGINT / SIGTERM
-    return run_server(parser, ServerLimits, open_app, argv, path="/retrieve", log=log)   # a server's main
+    return run_server(p, p.parse_args(argv), ServerLimits, open_app, path="/retrieve", log=log)   # a server's main
 
 Connection timeouts (:class:`Timeouts`): a request head (request line and headers) must
 arrive within ``header_s`` of its first byte, else the server answers 408 and closes; an
@@ -24,7 +24,7 @@ import logging
 import threading
 from http import HTTPStatus
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -356,14 +356,13 @@ def add_limit_flags(p: argparse.ArgumentParser, limits, flags: Mapping[str, str]
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=what)
 
 
-def run_server(parser: argparse.ArgumentParser, limits_type: type, open_app: Callable, argv: Optional[Sequence[str]],
-               *, path: str, log: logging.Logger, serve: Callable = serve_forever) -> int:
-    """A server command's ``main``: parse ``argv`` with ``parser`` (the server's own flags, plus those of
-    :func:`add_address_flags` and :func:`add_limit_flags`), build ``limits_type`` from every flag named after one
-    of its fields (a refused value is a usage error), then ``open_app(args, limits, parser)`` → ``(app, what)``
-    (its own checks end in ``parser.error``), log ``serving <what> on http://host:port<path>`` to ``log`` and
+def run_server(parser: argparse.ArgumentParser, a: argparse.Namespace, limits_type: type, open_app: Callable, *,
+               path: str, log: logging.Logger, serve: Callable = serve_forever) -> int:
+    """A server command's ``main`` after it read its line ``a`` with ``parser`` (the server's own flags, plus those
+    of :func:`add_address_flags` and :func:`add_limit_flags`): build ``limits_type`` from every flag named after one
+    of its fields (a refused value is a usage error), then ``open_app(a, limits, parser)`` → ``(app, what)`` (its
+    own checks end in ``parser.error``), log ``serving <what> on http://host:port<path>`` to ``log`` and
     ``serve(app, host, port)`` in the foreground until SIGINT or SIGTERM. Returns 0."""
-    a = parser.parse_args(argv)
     given = vars(a)
     try:
         limits = limits_type(**{f.name: given[f.name] for f in dataclasses.fields(limits_type) if f.name in given})

@@ -287,10 +287,11 @@ async def run_load_test(url: str, pool: Sequence[str], clients: int = 64, durati
     }
 
 
-def main(argv: Optional[list] = None) -> int:
-    from fastcredit.config.help import argparser
+def parser():
+    """The command's line: the server, the load, the queries."""
+    from fastcredit.config import command_parser
 
-    p = argparser("python -m fastcredit.retrieval.loadtest", __doc__)
+    p = command_parser("python -m fastcredit.retrieval.loadtest", __doc__)
     p.add_argument("--url", default="http://127.0.0.1:8000/retrieve")
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--long-clients", type=int, default=0, help="clients whose queries run to thousands of characters")
@@ -301,6 +302,11 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--queries", default=None, help="file with one query per line (default: 200 generated ones)")
     p.add_argument("--malformed-fraction", type=float, default=0.15)
     p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = parser()
     a = p.parse_args(argv)
     if not 0 < a.duration <= 300 or not 0 < a.clients <= 1024:
         p.error("--duration must lie in (0, 300] and --clients in (0, 1024]")

@@ -36,7 +36,7 @@ from typing import Callable, Optional
 from aiohttp import web
 
 from fastcredit.runtime.batching import ItemFailed, MicroBatcher, isolate_failures
-from fastcredit.config.help import argparser
+from fastcredit.config import command_parser
 from fastcredit.retrieval.cli import add_encoder_args
 from fastcredit.retrieval.httpserver import (TIMEOUTS, RequestError, ServerThread, Timeouts, add_address_flags,
                                              add_limit_flags, check_positive, json_error, json_errors, read_body,
@@ -146,9 +146,9 @@ def make_app(batch_fn: Callable[[list], list], limits: Optional[ServerLimits] = 
     return app
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     d = ServerLimits()
-    p = argparser("python -m fastcredit.retrieval.serve", __doc__)
+    p = command_parser("python -m fastcredit.retrieval.serve", __doc__)
     p.add_argument("--index", default=None,
                    help="FAISS index file (Search-R1's e5_Flat.index) or a fastcredit build folder")
     p.add_argument("--corpus", default=None, help="corpus jsonl (needed unless --index is a build folder)")
@@ -197,7 +197,8 @@ def open_app(a: argparse.Namespace, limits: ServerLimits, p: argparse.ArgumentPa
 
 
 def main(argv: Optional[list] = None) -> int:
-    return run_server(_parser(), ServerLimits, open_app, argv, path="/retrieve", log=log, serve=serve_forever)
+    p = parser()
+    return run_server(p, p.parse_args(argv), ServerLimits, open_app, path="/retrieve", log=log, serve=serve_forever)
 
 
 if __name__ == "__main__":

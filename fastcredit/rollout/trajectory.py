@@ -11,8 +11,7 @@ the policy wrote) followed by ``seg_obs_len_S[s]`` observation tokens (written b
 environment, never trained on). Turns of a trajectory are contiguous and tile its
 response exactly. ``seg_id_N`` maps each action token to its turn and is -1 on
 observation tokens. Turn kinds are ``fastcredit.credit.types.TurnKind`` (imported here,
-the estimators read the same codes); padded ``[B, L]`` views live in
-``fastcredit.rollout.padded``.
+the estimators read the same codes).
 """
 from __future__ import annotations
 
@@ -48,9 +47,8 @@ class Turn:
 class TrajectoryBatch:
     """A batch of ``B`` trajectories with packed response tokens and turn segments.
 
-    Construct with :func:`from_turns`, ``fastcredit.rollout.padded.from_padded`` or
-    directly; every constructor runs :meth:`validate`, which raises :class:`TrajectoryError`
-    naming the first broken invariant.
+    Construct with :func:`from_turns` or directly; every constructor runs :meth:`validate`, which raises
+    :class:`TrajectoryError` naming the first broken invariant.
     """
 
     tokens_N: torch.Tensor  # int64 [N] response token ids, trajectories back to back

@@ -8,6 +8,8 @@ loaded on first use."""
 
 _MOVED = {"Trainer": "fastcredit.trainer.loop", "CollapseError": "fastcredit.trainer.loop"}
 
+__all__ = sorted(_MOVED)
+
 
 def __getattr__(name: str):
     if name in _MOVED:

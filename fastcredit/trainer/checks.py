@@ -1,7 +1,7 @@
 """What a training run checks of its config, once, before anything loads or a process group starts.
 
-    check_run(cfg, resume)     # the estimator's needs, the local paths, and with --resume the saved run's settings
-    check_run(cfg, local=False)  # the estimator's needs alone: a plan for another machine (--memory-report)
+    check_run(cfg, resume, world_size=2)  # the needs, the local paths, the ranks, with --resume the saved settings
+    check_run(cfg, local=False)           # the estimator's needs alone: a plan for another machine (--memory-report)
 
 The training command runs it on every rank before ``init_distributed`` (a ConfigError there exits 2 on every rank
 together); so do the benchmarks that build a Trainer themselves. The Trainer and the builders take the config it
@@ -10,6 +10,7 @@ passed and do not check again.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from fastcredit.config import ConfigError, TrainConfig, config_drift, load_config
 from fastcredit.config.checks import check_paths
@@ -21,18 +22,34 @@ from fastcredit.credit.needs import check_needs
 RESUME_MAY_CHANGE = ("optim.total_steps", "logging.", "eval.every", "run_name", "distributed.gpus")
 
 
-def check_run(cfg: TrainConfig, resume: bool = False, local: bool = True) -> None:
+def check_run(cfg: TrainConfig, resume: bool = False, local: bool = True, world_size: Optional[int] = None) -> None:
     """Every check a training run makes of its config, once, before anything loads or a process group starts: the
     estimator's needs (a judge, a PRM, ProCeed rollouts: ``fastcredit.credit.needs``), the local paths it names
-    (``fastcredit.config.checks.check_paths``), and with ``resume`` that the saved run was made with these
-    settings (:func:`check_resume`). ``local=False``: the config is planned for another machine (``--memory-report``),
-    whose paths and runs are not here: its needs alone. A ConfigError names what is wrong."""
+    (``fastcredit.config.checks.check_paths``), that the step's prompts share out over ``world_size`` ranks (when
+    given: :func:`check_world`), and with ``resume`` that the saved run was made with these settings
+    (:func:`check_resume`). ``local=False``: the config is planned for another machine (``--memory-report``), whose
+    paths and runs are not here: its needs alone. A ConfigError names what is wrong."""
     check_needs(cfg)
     if not local:
         return
     check_paths(cfg)
+    if world_size is not None:
+        check_world(cfg, world_size)
     if resume:
         check_resume(cfg)  # before the saved config.yaml is replaced
+
+
+def check_world(cfg: TrainConfig, world_size: int) -> None:
+    """A colocated run's ``world_size`` ranks each roll out ``optim.batch_prompts / world_size`` prompts a step: a
+    count that does not divide is refused (it would drop the remainder), naming both numbers. The split placement's
+    rollout ranks are checked when the job is laid out (``fastcredit.distributed.split.split_layout``)."""
+    prompts = cfg.optim.batch_prompts
+    if cfg.distributed.placement == "colocated" and prompts % world_size:
+        near = sorted({n for n in (prompts - prompts % world_size, prompts - prompts % world_size + world_size) if n})
+        raise ConfigError(f"optim.batch_prompts={prompts} is not a multiple of the {world_size} ranks: each rank rolls "
+                          f"out an equal share of a step's prompts, and {prompts % world_size} would be dropped; set "
+                          f"it to a multiple of {world_size} ({' or '.join(map(str, near))}) or run on a number of "
+                          f"ranks that divides {prompts}")
 
 
 def check_resume(cfg: TrainConfig) -> None:

@@ -160,9 +160,10 @@ WARM_START_IGNORED_RETRIEVAL = ("backend", "url", "batch_size", "batch_timeout_m
                                 "across_ranks", "num_shards", "build_index")
 
 
-def warm_start_fingerprint(cfg) -> str:
+def warm_start_fingerprint(cfg, tokenizer=None) -> str:
     """A digest of what determines the warm-started weights: ``WARM_START_KEYS`` (minus the cache and world
-    folders, and ``WARM_START_IGNORED_RETRIEVAL``), the observation cap, the warm start's seed and threads."""
+    folders, and ``WARM_START_IGNORED_RETRIEVAL``), the observation cap, the warm start's seed and threads, and the
+    ``tokenizer``'s vocabulary (weights trained on other token ids would load, and generate nonsense)."""
     from fastcredit.config import to_dict
     from fastcredit.config.toy import world_key
 
@@ -179,6 +180,9 @@ def warm_start_fingerprint(cfg) -> str:
     part["seed"] = cfg.warmstart.seed_for(cfg.seed)
     # the threads it trains with on a CPU (float sums follow them); 0 leaves torch's default, this machine's count
     part["warmstart"]["threads"] = cfg.warmstart.threads or torch.get_num_threads()
+    if tokenizer is not None:
+        vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+        part["tokenizer"] = hashlib.sha256(vocab.encode("utf-8")).hexdigest()[:16]
     return hashlib.sha256(json.dumps(part, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -253,7 +257,7 @@ def warm_start(lm, cfg, data, tokenizer, searcher, info, say: Callable[[str], No
         epochs = f"{w.epochs} epoch{'s' if w.epochs > 1 else ''}"
         return f"warm start: {len(seqs)} oracle trajectories{made} x {epochs} in {time.time() - t0:.0f} s, loss {loss}"
 
-    cached_warm_start(lm, w.cache_dir, warm_start_fingerprint(cfg), run, say)
+    cached_warm_start(lm, w.cache_dir, warm_start_fingerprint(cfg, tokenizer), run, say)
     lm.requires_grad_(True).train()
 
 

@@ -15,9 +15,9 @@ from fastcredit.config import (
     TrainConfig,
     all_keys,
     load_config,
-    parse_cli,
     save_config,
 )
+from fastcredit.train import parser as train_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -146,13 +146,6 @@ def test_help_lists_every_key():
         assert key in text
 
 
-def test_cli_parsing():
-    assert parse_cli(["--config", "a.yaml", "x.y=1"]) == ("a.yaml", ["x.y=1"])
-    assert parse_cli(["--config=b.yaml"]) == ("b.yaml", [])
-    with pytest.raises(ConfigError, match="unknown flag '--lr'"):
-        parse_cli(["--lr", "3"])
-
-
 def test_help_from_the_command_line():
     out = subprocess.run([sys.executable, "-m", "fastcredit.prepare", "--help", "all"], capture_output=True, text=True,
                          cwd=ROOT)
@@ -175,7 +168,8 @@ def test_a_second_config_overlays_the_first_and_errors_name_its_file(tmp_path):
     """``--config METHOD.yaml --config configs/searchr1_design.yaml``: the overlay changes how a step runs, the
     method config keeps the rest; a bad key in the overlay is named with its file and line."""
     method, design = (os.path.join(ROOT, "configs", f) for f in ("criticsearch.yaml", "searchr1_design.yaml"))
-    path, overrides = parse_cli(["--config", method, f"--config={design}", "optim.total_steps=3"])
+    args = train_parser().parse_args(["--config", method, f"--config={design}", "optim.total_steps=3"])
+    path, overrides = args.config, args.overrides
     assert path == [method, design] and overrides == ["optim.total_steps=3"]
     cfg, alone = load_config(path, overrides), load_config(method)
     assert (cfg.rollout.mode, cfg.rollout.stop_at_tags, cfg.rollout.enable_prefix_caching) == \

@@ -282,12 +282,14 @@ def test_the_command_refuses_bad_input(toy, tmp_path, capsys):
         (["--model", "scripted:1.5", *toy["overrides"]], "p is a probability"),
         (["--model", "scripted", "--samples", "0", *toy["overrides"]], "--samples must be at least 1"),
         (["--model", "scripted", "--labeller", "vibes", *toy["overrides"]], "valid: rule, judge"),
-        ([*toy["overrides"]], "--model"),
     ]
     for argv, message in cases:
         assert L.main(["--config", DEBUG, *argv]) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("label error: ") and message in err, (argv, err)
+    with pytest.raises(SystemExit) as exc:  # the line itself: a usage error, before anything is read
+        L.main(["--config", DEBUG, *toy["overrides"]])
+    assert exc.value.code == 2 and "the following arguments are required: --model" in capsys.readouterr().err
 
 
 def test_a_model_folder_rolls_out_as_fastcredit_eval_opens_it(toy, tmp_path, capsys):

@@ -1,10 +1,9 @@
-"""The packed trajectory batch: constructors, invariants, padded views, select / concat."""
+"""The packed trajectory batch: constructors, invariants, select / concat."""
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastcredit.rollout.padded import from_padded, pack_padded, to_padded
 from fastcredit.rollout.trajectory import (
     TrajectoryBatch,
     TrajectoryError,
@@ -72,23 +71,6 @@ def test_turns_round_trip(trajs):
     assert int(b.action_mask_N.sum()) == sum(len(t.action_ids) for tr in trajs for t in tr)
 
 
-@settings(max_examples=60)
-@given(trajectories(), st.integers(0, 3))
-def test_padded_round_trip(trajs, extra):
-    b = from_turns(trajs, **_outcomes(len(trajs)))
-    L = int(b.seqlens_B.max()) + extra
-    view = to_padded(b, pad_id=-7, length=L)
-    assert view.tokens.shape == (b.num_trajectories, L)
-    assert int(view.attention_mask.sum()) == b.num_tokens
-    assert bool((view.tokens[~view.attention_mask] == -7).all())
-    assert torch.equal(pack_padded(b, view.tokens), b.tokens_N)
-    assert torch.equal(pack_padded(b, view.seg_id), b.seg_id_N)
-    layouts = [[(len(t.action_ids), len(t.obs_ids), t.kind) for t in tr] for tr in trajs]
-    back = from_padded(view.tokens, b.seqlens_B, layouts, view.demo_mask, **_outcomes(len(trajs)))
-    for name in ("tokens_N", "cu_seqlens", "seg_start_S", "seg_id_N", "demo_mask_N", "seg_kind_S"):
-        assert torch.equal(getattr(back, name), getattr(b, name)), name
-
-
 @settings(max_examples=40)
 @given(trajectories(), st.data())
 def test_select_and_concat(trajs, data):
@@ -146,11 +128,6 @@ def test_direct_construction_checks_every_invariant():
     for name, (value, message) in bad_cases.items():
         with pytest.raises(TrajectoryError, match=message):
             replace(good, **{name: value})
-
-
-def test_from_padded_rejects_wrong_layout():
-    with pytest.raises(TrajectoryError, match="row 0 has length 3 but its turns cover 2"):
-        from_padded(torch.zeros(1, 4, dtype=torch.int64), torch.tensor([3]), [[(1, 0, "search"), (1, 0, "answer")]])
 
 
 def test_rollout_logp_follows_select():

@@ -1,16 +1,18 @@
-"""Which executor and device vLLM would give each rank's engine under torchrun (no GPU needed).
+"""Which executor vLLM would give each rank's engine under torchrun (no GPU needed), through vLLM's public API.
 
-The engine's ``vllm.LLM`` keyword arguments (``engine_kwargs``) are turned into vLLM's own
-configuration and executor choice, as ``LLM`` does. Under torchrun (rank 3 of 8), vLLM's
-default ``uni`` executor takes its local rank from ``DeviceConfig.device``, a bare ``cuda``:
-local rank 0, so every rank's engine would start on ``cuda:0``; ``external_launcher`` takes
-``LOCAL_RANK``, and vLLM's GPU worker then runs on ``cuda:<LOCAL_RANK>`` (``gpu_worker.init_device``).
+The engine's ``vllm.LLM`` keyword arguments (``engine_kwargs``) are turned into vLLM's own configuration
+(``EngineArgs(**kw).create_engine_config()``) and executor class (``Executor.get_class``), as ``LLM`` does. Under
+torchrun (rank 3 of 8) the engine must name ``external_launcher``: that executor joins the job's process group and
+runs its worker on ``cuda:<LOCAL_RANK>``, as vLLM documents it for torchrun-launched engines. vLLM's default for a
+world of one, ``uni``, takes its local rank from the configured device instead, which names no index (a bare
+``cuda``): local rank 0, so every rank's engine would start on ``cuda:0``.
 """
 import pytest
 import torch
 import torch.distributed as dist
 
 from fastcredit.rollout.engines import vllm as fv
+from fastcredit.rollout.engines import vllm_compat
 
 pytest.importorskip("vllm")
 
@@ -25,39 +27,36 @@ def folder(tmp_path_factory):
                             str(tmp_path_factory.mktemp("vllm_device") / "policy"))
 
 
-def executor_for(folder: str, device: torch.device):
-    """(executor class, (init method, rank, local rank) it passes its worker), as vllm.LLM would build them."""
+def engine_config(folder: str, device: torch.device):
+    """``(vLLM's config, the executor class)`` an engine on ``device`` gets, as vllm.LLM would build them."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.executor.abstract import Executor
 
-    kw = fv.engine_kwargs(folder, folder, device, load_format="dummy")
-    config = EngineArgs(**kw).create_engine_config()
-    cls = Executor.get_class(config)
-    holder = type("Holder", (), {"vllm_config": config})()
-    return cls, cls._distributed_args(holder)
+    config = EngineArgs(**fv.engine_kwargs(folder, folder, device, load_format="dummy")).create_engine_config()
+    return config, Executor.get_class(config)
 
 
-def test_rank3_of_8_gets_the_external_launcher_and_its_local_rank(folder, monkeypatch):
-    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
-
+def test_rank3_of_8_gets_the_external_launcher(folder, monkeypatch):
     for key, value in {"LOCAL_RANK": "3", "RANK": "3", "WORLD_SIZE": "8", fv.IN_PROCESS_ENV: "0"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     gpu_kw = fv.engine_kwargs(folder, folder, torch.device("cuda", 3))
     assert gpu_kw["distributed_executor_backend"] == "external_launcher" and gpu_kw["enable_sleep_mode"]
     # vLLM's CPU build refuses sleep mode for a CUDA device; the executor choice does not depend on the device
-    cls, (init, rank, local_rank) = executor_for(folder, torch.device("cpu"))
-    assert cls is ExecutorWithExternalLauncher and (init, rank, local_rank) == ("env://", 3, 3)
+    config, cls = engine_config(folder, torch.device("cpu"))
+    external, _ = vllm_compat.launcher_executors()
+    assert cls is external and config.parallel_config.distributed_executor_backend == "external_launcher"
+    assert config.parallel_config.world_size == 1  # one engine a rank: no tensor-parallel workers of its own
 
 
-def test_the_default_uni_executor_would_put_rank3_on_device_0(folder, monkeypatch):
-    """What the engine built before issue 29 got: no executor named, so vLLM picks ``uni`` for a world of 1."""
-    from vllm.v1.executor.uniproc_executor import UniProcExecutor
-
+def test_without_torchrun_vllm_picks_the_uni_executor_whose_device_names_no_rank(folder, monkeypatch):
+    """An engine that names no executor: vLLM picks ``uni`` for a world of 1, its device without a rank's index."""
     for key, value in {"LOCAL_RANK": "3", "RANK": "3", "WORLD_SIZE": "1", fv.IN_PROCESS_ENV: "0"}.items():
         monkeypatch.setenv(key, value)
-    cls, (_, rank, local_rank) = executor_for(folder, torch.device("cpu"))
-    assert cls is UniProcExecutor and (rank, local_rank) == (0, 0)
+    assert "distributed_executor_backend" not in fv.engine_kwargs(folder, folder, torch.device("cpu"))
+    config, cls = engine_config(folder, torch.device("cpu"))
+    _, uni = vllm_compat.launcher_executors()
+    assert cls is uni and torch.device(config.device_config.device).index is None
 
 
 def test_torchrun_engine_needs_the_process_group_first(folder, monkeypatch):

@@ -23,7 +23,7 @@ def test_a_profiled_debug_run_writes_the_trace_and_the_phase_table(tmp_path, cap
     ``main`` ends the process when it ends the process group, so the Trainer is run here as main runs it)."""
     from fastcredit.config import load_config
     from fastcredit.distributed.process_group import DistInfo
-    from fastcredit.train import colocated_trainer
+    from fastcredit.trainer.build import colocated_trainer
 
     out = tmp_path / "run"
     cfg = load_config(os.path.join(ROOT, "configs", "debug.yaml"),

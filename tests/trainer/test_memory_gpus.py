@@ -7,7 +7,7 @@ import pytest
 
 from fastcredit.config import ConfigError, load_config
 from fastcredit.train import main
-from fastcredit.trainer.memory.command import report_gpus
+from fastcredit.trainer.memory.request import ReportRequest, report_gpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the GPUs each paper trained on, as its YAML comment cites: CriticSearch Appendix B (one node of 8 H100), CW-GRPO
@@ -87,9 +87,9 @@ def test_counts_that_cannot_be_are_named(no_torchrun, capsys):
 def test_report_gpus_precedence_without_the_report():
     cfg = load_config(config("pica"))
     torchrun = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
-    assert report_gpus(cfg, {"--gpus": 4}, torchrun)[:2] == (4, None)
-    assert report_gpus(cfg, {}, torchrun)[:2] == (16, 8)
-    assert report_gpus(cfg, {}, {})[:2] == (8, None)
-    assert report_gpus(load_config(config("debug")), {}, {})[:2] == (1, None)
+    assert report_gpus(cfg, ReportRequest(gpus=4), torchrun)[:2] == (4, None)
+    assert report_gpus(cfg, ReportRequest(), torchrun)[:2] == (16, 8)
+    assert report_gpus(cfg, ReportRequest(), {})[:2] == (8, None)
+    assert report_gpus(load_config(config("debug")), ReportRequest(), {})[:2] == (1, None)
     with pytest.raises(ConfigError, match=r"--gpus-per-node 9 must be between 1 and distributed.gpus \(8\)"):
-        report_gpus(cfg, {"--gpus-per-node": 9}, {})
+        report_gpus(cfg, ReportRequest(gpus_per_node=9), {})

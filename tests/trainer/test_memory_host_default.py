@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from fastcredit.trainer.memory import command
+from fastcredit.trainer.memory import request
 from fastcredit.train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -20,7 +20,7 @@ def machine(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
     def state(gpus: int, mem_gib: float):
-        monkeypatch.setattr(command, "local_gpus", lambda: (gpus, 80.0 if gpus else None))
+        monkeypatch.setattr(request, "local_gpus", lambda: (gpus, 80.0 if gpus else None))
         monkeypatch.setattr("fastcredit.trainer.memory.machine_memory_gib", lambda: mem_gib)
     return state
 

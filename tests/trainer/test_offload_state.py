@@ -50,7 +50,7 @@ def test_the_choice_reaches_the_phase_manager_the_reference_and_the_log(monkeypa
     import fastcredit.trainer.memory.offload as offload
     from fastcredit.distributed.fsdp import FrozenModel
     from fastcredit.distributed.process_group import DistInfo
-    from fastcredit.train import colocated_trainer
+    from fastcredit.trainer.build import colocated_trainer
     from fastcredit.trainer.run import Run
 
     made, offloads, said, asked = [], [], [], []

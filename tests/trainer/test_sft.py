@@ -174,6 +174,16 @@ def test_cached_warm_start_is_made_once_and_keyed_by_its_own_seed(tmp_path):
     # the warm start's threads: fixed by default (2); 0 means this machine's count, and keys as that count
     assert base == key("warmstart.threads=2") != key("warmstart.threads=1")
     assert key("warmstart.threads=0") == key(f"warmstart.threads={torch.get_num_threads()}")
+    # the lookup world's demonstrator, and the tokenizer the weights were trained with (another tokenizer of the
+    # same config, fitted to other texts, would load them and decode nonsense)
+    lookup = ("data.toy.kind=lookup", "rollout.max_turns=5")
+    assert key(*lookup) != base and key(*lookup) != key(*lookup, "warmstart.waste_prob=0.2")
+    from fastcredit.data.tokenizer import build_tiny_tokenizer
+
+    cfg = load_config(None, [])
+    one, two = build_tiny_tokenizer(["aa bb cc"] * 9, 300), build_tiny_tokenizer(["aa dd ee"] * 9, 300)
+    assert warm_start_fingerprint(cfg, one) == warm_start_fingerprint(cfg, build_tiny_tokenizer(["aa bb cc"] * 9, 300))
+    assert warm_start_fingerprint(cfg, one) != warm_start_fingerprint(cfg, two) != base
     said, runs = [], []
     made = torch.nn.Linear(3, 2)
 

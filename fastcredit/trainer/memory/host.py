@@ -18,8 +18,8 @@ OS and everything else on it: 5%, at least 4 GiB. Pinned and pageable copies cou
 * every phase, once per node: the passage token store when it stays on the CPU
   (retrieval.device=cpu, or tokens past 4 GiB): memory-mapped, so the node's ranks share its
   pages (page cache, counted whole; the corpus text is read the same way and not counted).
-* start-up, the peak while ``Trainer._build_models`` runs: the policy read from files in fp32,
-  4P, on each rank that reads it: rank 0 alone under torchrun with FSDP2 (the others build it on
+* start-up, the peak while ``fastcredit.trainer.roles.build_training_side`` runs: the policy read from
+  files in fp32, 4P, on each rank that reads it: rank 0 alone under torchrun with FSDP2 (the others build it on
   the meta device and receive their shards, ``fastcredit.distributed.from_rank0``); every rank
   with DeepSpeed, on one process, or for the tiny policy (built in code). Beside it a fp32
   deepcopy, 4P, while the reference or the value model is made from it

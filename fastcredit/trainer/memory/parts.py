@@ -5,8 +5,8 @@
     judge = judge_setup(cfg, shape)                  # the critic and how this process serves it
     OffloadChoice(moves=True, reason="as set")       # whether the training state leaves the GPU (memory.offload)
 
-The rules mirror the code that builds the run (``Trainer._build_models``, ``judges.phase.make_backend``)
-without importing it: the report loads no model code.
+The rules mirror the code that builds the run (``fastcredit.trainer.roles.build_training_side``,
+``fastcredit.judges.phase.make_backend``) without importing it: the report loads no model code.
 """
 from __future__ import annotations
 

@@ -3,55 +3,54 @@ stated hardware, printed before anything loads (no process group, model, data or
 CUDA query, the host's RAM ``/proc/meminfo``).
 
     python -m fastcredit.train --config configs/criticsearch.yaml --memory-report --gpu-gib 80 --gpus 8
+    memory_report(cfg, ReportRequest(gpu_gib=80, gpus=8))      # what that command runs
 
-Exit status: 0 when it can run, 2 when it cannot (or a flag's value cannot be).
+The flags are declared with the trainer's builders (``fastcredit.trainer.build``), which turn the command line into
+a :class:`ReportRequest`. Exit status: 0 when it can run, 2 when it cannot (or a stated count cannot be).
 """
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from typing import Optional
 
-from fastcredit.config import CommandLine, ConfigError
+from fastcredit.config import ConfigError
 
 # --memory-report's host RAM a node when no --host-gib is given and this machine is not a node of the plan: an
 # 8 x H100 DGX node's 2 TiB (DGX H100's system memory), the node this project's paper configs plan for
 DEFAULT_NODE_HOST_GIB = 2048.0
-# --memory-report's options and how each value is read
-REPORT_OPTIONS = {"--gpu-gib": float, "--gpus": int, "--index-rows": int, "--index-dim": int, "--host-gib": float,
-                  "--gpus-per-node": int}
-# the flags of the training command's line that are --memory-report's (fastcredit.config.parse_command reads them)
-REPORT_FLAGS = {"--memory-report": None, **REPORT_OPTIONS}
 
 
-def report_request(args: CommandLine) -> Optional[dict]:
-    """--memory-report's options as the command line gave them, or None when no report was asked for; a
-    ConfigError when its options came without it."""
-    opts = {name: value for name, value in args.flags.items() if name in REPORT_OPTIONS}
-    if not args.has("--memory-report"):
-        if opts:
-            raise ConfigError(f"{', '.join(opts)} only apply with --memory-report")
-        return None
-    return {**opts, "report": True}
+@dataclass(frozen=True)
+class ReportRequest:
+    """What a memory report plans for; None: not stated (each field's default is in the training command's help)."""
+
+    gpu_gib: Optional[float] = None  # --gpu-gib: GPU size in GiB
+    gpus: Optional[int] = None  # --gpus: GPUs, one rank each
+    index_rows: Optional[int] = None  # --index-rows: retrieval index rows when its file is not here
+    index_dim: Optional[int] = None  # --index-dim: and its dimension
+    host_gib: Optional[float] = None  # --host-gib: host RAM of a node in GiB
+    gpus_per_node: Optional[int] = None  # --gpus-per-node: ranks on a node
 
 
-def memory_report(cfg, opts: dict) -> int:
+def memory_report(cfg, request: ReportRequest) -> int:
     """Print :func:`fastcredit.trainer.memory.format_plan` for ``cfg``; 0 when it can run, 2 otherwise. No process
     group, model, data or index is touched (the GPU's size is the one CUDA query, the host's RAM /proc/meminfo)."""
     from fastcredit.trainer import memory
 
-    gpu_gib = opts.get("--gpu-gib")
+    gpu_gib = request.gpu_gib
     if gpu_gib is None:
         gpu_gib = local_gpus()[1] or 80.0
     try:
-        gpus, per_node, where, node_where = report_gpus(cfg, opts, os.environ)
+        gpus, per_node, where, node_where = report_gpus(cfg, request, os.environ)
     except ConfigError as exc:
         print(f"memory report: {exc}", file=sys.stderr)
         return 2
-    host_gib, source = report_host(opts, per_node if per_node is not None else min(gpus, 8))
+    host_gib, source = report_host(request, per_node if per_node is not None else min(gpus, 8))
     try:
-        plan = memory.plan(cfg, gpu_gib, gpus, index_rows=opts.get("--index-rows"),
-                           index_dim=opts.get("--index-dim"), host_gib=host_gib, gpus_per_node=per_node,
+        plan = memory.plan(cfg, gpu_gib, gpus, index_rows=request.index_rows,
+                           index_dim=request.index_dim, host_gib=host_gib, gpus_per_node=per_node,
                            host_source=source)
     except memory.ShapeError as exc:
         print(f"memory report: {exc}", file=sys.stderr)
@@ -73,15 +72,15 @@ def local_gpus() -> tuple[int, Optional[float]]:
     return torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory / 2**30
 
 
-def report_host(opts: dict, ranks_per_node: int) -> tuple[float, str]:
+def report_host(request: ReportRequest, ranks_per_node: int) -> tuple[float, str]:
     """``(host RAM of a node in GiB, where it came from)`` for --memory-report: --host-gib; else this machine's
     MemTotal when this machine is a node of the plan (it has a GPU for each of the node's ranks); else the target
     node's default, ``DEFAULT_NODE_HOST_GIB``: a laptop or a login node planning a cluster job is not judged by its
     own RAM."""
     from fastcredit.trainer import memory
 
-    if opts.get("--host-gib") is not None:
-        return opts["--host-gib"], "--host-gib"
+    if request.host_gib is not None:
+        return request.host_gib, "--host-gib"
     count, _ = local_gpus()
     local = memory.machine_memory_gib() if count else None
     if count >= ranks_per_node and local is not None:
@@ -103,13 +102,13 @@ def _env_count(env, name: str) -> int:
     return value
 
 
-def report_gpus(cfg, opts: dict, env) -> tuple[int, Optional[int], str, str]:
+def report_gpus(cfg, request: ReportRequest, env) -> tuple[int, Optional[int], str, str]:
     """``(GPUs, GPUs per node or None for the plan's default, where each came from)`` for --memory-report: --gpus,
     else torchrun's WORLD_SIZE (with LOCAL_WORLD_SIZE per node), else the config's distributed.gpus, else 1;
     --gpus-per-node always wins. ConfigError names a value that cannot be."""
-    per_node, node_where = opts.get("--gpus-per-node"), "--gpus-per-node"
-    if opts.get("--gpus") is not None:
-        gpus, name, where = opts["--gpus"], "--gpus", "--gpus"
+    per_node, node_where = request.gpus_per_node, "--gpus-per-node"
+    if request.gpus is not None:
+        gpus, name, where = request.gpus, "--gpus", "--gpus"
         if gpus < 1:
             raise ConfigError(f"--gpus {gpus} must be at least 1")
     elif env.get("WORLD_SIZE"):
