@@ -206,7 +206,7 @@ def run(a) -> dict:
             "start_weights": start, "end_weights": folder_digest(trainer.model)}
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--settings", metavar="CONFIG", default=None,
                    help="print CONFIG's settings mapped onto GRPOConfig as a markdown table and exit")
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="TRL's output folder (steps.jsonl, checkpoints)")
     p.add_argument("--retrieval-url", default=None, help="a /retrieve server on the config's corpus")
     p.add_argument("--replay", default=None, help="train on fastcredit's batches recorded in this folder")
-    p.add_argument("--steps", type=int, default=1, help="optimizer steps (each one rollout)")
+    p.add_argument("--steps", type=int, default=1, help="steps (each one rollout and its optimizer steps)")
     p.add_argument("--warmup", type=int, default=0, help="the first steps left out of the result's rows")
     p.add_argument("--micro-batch", type=int, default=None,
                    help="trajectories a forward / backward (default: rollout.n_samples, one group)")
@@ -223,21 +223,34 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     p.add_argument("--result", default=None, help="where the result JSON goes (default: OUT/result.json)")
     p.add_argument("overrides", nargs="*", help="key=value overrides of --config")
+    return p
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """The command line, checked, ``--micro-batch`` defaulted to the config's group size."""
+    from fastcredit.config import load_config
+
+    p = parser()
     a = p.parse_intermixed_args(argv)
+    if a.settings:
+        return a
+    if not (a.config and a.model and a.out):
+        p.error("--config, --model and --out are needed to train")
+    if a.steps < 1 or not 0 <= a.warmup < a.steps:
+        p.error("--steps must be at least 1 and --warmup below it")
+    if a.micro_batch is None:
+        a.micro_batch = load_config([a.config], a.overrides).rollout.n_samples
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
     if a.settings:
         from fastcredit.config import load_config
 
         cfg = load_config([a.settings], a.overrides)
         sys.stdout.write(markdown_table(settings(cfg, a.micro_batch or cfg.rollout.n_samples)))
         return 0
-    if not (a.config and a.model and a.out):
-        p.error("--config, --model and --out are needed to train")
-    if a.steps < 1 or not 0 <= a.warmup < a.steps:
-        p.error("--steps must be at least 1 and --warmup below it")
-    if a.micro_batch is None:
-        from fastcredit.config import load_config
-
-        a.micro_batch = load_config([a.config], a.overrides).rollout.n_samples
     result = run(a)
     with open(a.result or os.path.join(a.out, "result.json"), "w") as f:
         json.dump(result, f)

@@ -110,26 +110,25 @@ class Trajectory:
 
 
 def kept_tokens(new_ids: list, eos_ids: set, pad_id: Optional[int], decode) -> tuple[list, bool]:
-    """``(ids, stopped)``: what one row of a ``generate`` call produced before it stopped: through its first EOS,
-    else through the token that completed a stop string (transformers fills a finished row with padding after it),
-    else all of it (it ran to the call's ``max_new_tokens``)."""
-    for i, t in enumerate(new_ids):
-        if t in eos_ids:
-            return list(new_ids[: i + 1]), True
-    text = decode(new_ids)
-    if not any(s in text for s in STOP_STRINGS):
-        ids = list(new_ids)
-        while pad_id is not None and ids and ids[-1] == pad_id:
-            ids.pop()
-        return ids, False
-    lo, hi = 1, len(new_ids)  # the shortest prefix holding a stop string: a prefix holding one only grows
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if any(s in decode(new_ids[:mid]) for s in STOP_STRINGS):
-            hi = mid
-        else:
-            lo = mid + 1
-    return list(new_ids[:lo]), True
+    """``(ids, stopped)``: what one row of a ``generate`` call produced before it stopped: through the token that
+    completed a stop string or through its first EOS, whichever came first (transformers fills a finished row with
+    padding, which may be the EOS token itself), else all of it (it ran to the call's ``max_new_tokens``)."""
+    end = next((i + 1 for i, t in enumerate(new_ids) if t in eos_ids), None)
+    head = list(new_ids[:end])
+    if any(s in decode(head) for s in STOP_STRINGS):
+        lo, hi = 1, len(head)  # the shortest prefix holding a stop string: a prefix holding one only grows
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if any(s in decode(head[:mid]) for s in STOP_STRINGS):
+                hi = mid
+            else:
+                lo = mid + 1
+        return head[:lo], True
+    if end is not None:
+        return head, True
+    while pad_id is not None and head and head[-1] == pad_id:
+        head.pop()
+    return head, False
 
 
 class SearchR1Rollout:

@@ -113,7 +113,7 @@ def settings(cfg, micro_batch: int) -> list[Setting]:
                 "bf16=True default would autocast a CPU to bf16)"),
         Setting("activation checkpointing", "distributed.activation_checkpointing", d.activation_checkpointing,
                 {"gradient_checkpointing": d.activation_checkpointing}),
-        Setting("dropout", "", "none (the policy trains in eval numerics)", {"disable_dropout": True}),
+        Setting("dropout", "", "none (the Qwen2 and Llama configs' dropout is 0)", {"disable_dropout": True}),
         Setting("temperature", "rollout.temperature", r.temperature, {"temperature": r.temperature},
                 "sampling and the log-probs' logits / T, both sides"),
         Setting("top-p / top-k", "rollout.top_p, rollout.top_k", f"{r.top_p:g}, {r.top_k}",

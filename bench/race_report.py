@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from bench.step_report import decoded_tokens, paired_rounds, phase_table, trained_tokens, workload
+from bench.step_report import ROUND, decoded_tokens, paired_rounds, phase_table, trained_tokens, workload
 
 TRAINING = ("fastcredit", "trl_replay")
 ROLLOUT = ("fastcredit", "trl")
@@ -35,9 +35,11 @@ def add_training_step(rows: list) -> None:
 
 
 def same_tokens(fastcredit_rows: list, replay_rows: list) -> list:
-    """The steps (by number) whose trained tokens differ between fastcredit's and TRL's replay (empty: none)."""
-    ours = {r["step"]: r.get("tokens/trained") for r in fastcredit_rows}
-    return [r["step"] for r in replay_rows if ours.get(r["step"]) != r.get("tokens/trained")]
+    """The steps (by number) where TRL's replay, in any round, trained another number of tokens than fastcredit's
+    first round, the one it replays (empty: none)."""
+    first = min((r.get(ROUND, 0) for r in fastcredit_rows), default=0)
+    ours = {r["step"]: r.get("tokens/trained") for r in fastcredit_rows if r.get(ROUND, 0) == first}
+    return sorted({r["step"] for r in replay_rows if ours.get(r["step"]) != r.get("tokens/trained")})
 
 
 def build(runs: dict) -> dict:
