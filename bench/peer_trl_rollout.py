@@ -146,6 +146,7 @@ class SearchR1Rollout:
         self.eos_ids = {eos} if eos is not None else set()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         self.last_stats: dict = {}
+        self._steps = [0, 0, 0]  # generate's forwards, rows summed over them, prompt tokens prefilled (padding too)
 
     def _ids(self, text: str) -> list:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -157,6 +158,7 @@ class SearchR1Rollout:
         model = trainer.accelerator.unwrap_model(trainer.model)
         trajs = [Trajectory(self.prompt_ids[p], self.caps) for p in prompts]
         t0, generating, retrieving, searches = time.perf_counter(), 0.0, 0.0, 0
+        self._steps = [0, 0, 0]
         while True:
             active = [t for t in trajs if not t.done]
             if not active:
@@ -180,6 +182,14 @@ class SearchR1Rollout:
                 if q == "":
                     t.on_observation(self.invalid_ids)
         self.last_stats = rollout_stats(trajs, time.perf_counter() - t0, generating, retrieving)
+        forwards, rows, prefilled = self._steps
+        decoded = sum(t.decoded for t in trajs)
+        # a sequence in flight decodes a token a forward; generate keeps finished rows in the batch (rows_per_step)
+        self.last_stats.update({"engine/steps": float(forwards), "engine/seqs_per_step": decoded / max(forwards, 1),
+                                "engine/rows_per_step": rows / max(forwards, 1),
+                                "engine/prompt_tokens": float(prefilled), "engine/prefix_hit_rate": 0.0,
+                                "engine/decoded_tokens": float(decoded),
+                                "engine/prefill_per_decoded": prefilled / max(decoded, 1)})
         return {"prompt_ids": [t.prompt_ids for t in trajs], "completion_ids": [t.completion for t in trajs],
                 "logprobs": None, "env_mask": [t.mask for t in trajs],
                 "action_texts": [t.action_texts for t in trajs]}
@@ -205,6 +215,9 @@ class SearchR1Rollout:
         device = next(model.parameters()).device
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
                              tokenizer=self.tokenizer)
+        forwards = out.shape[1] - width  # a prefill, then a decode forward a token; finished rows stay in the batch
+        self._steps = [self._steps[0] + forwards, self._steps[1] + forwards * len(contexts),
+                       self._steps[2] + ids.numel()]
         rows = []
         for r, budget in enumerate(budgets):
             kept, stopped = kept_tokens(out[r, width:].tolist(), self.eos_ids, self.pad_id, self._decode)

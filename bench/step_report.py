@@ -36,7 +36,14 @@ WORKLOAD = (("searches / trajectory", "searches_per_traj"), ("turns / trajectory
             ("invalid turns / trajectory", "invalid_per_traj"), ("truncated trajectories", "truncated_frac"),
             ("response tokens / trajectory", "response_tokens_mean"),
             ("decoded tokens / trajectory", "decoded_tokens_per_traj"), ("trained tokens / step", "tokens/trained"),
-            ("format followed", "format_ok"))
+            ("format followed", "format_ok"),
+            # the engine's steps (issue 60 item 6: what a decoded token costs depends on them)
+            ("sequences in flight / engine step", "engine/seqs_per_step"),
+            ("the same, in steps that admit no request", "engine/decode_seqs_per_step"),
+            ("prefilled prompt tokens / decoded token", "engine/prefill_per_decoded"),
+            ("prefix-cache hit rate (prompt tokens)", "engine/prefix_hit_rate"),
+            ("seconds in engine steps that admit requests", "engine/admit_step_s"),
+            ("seconds in engine steps that admit none", "engine/decode_step_s"))
 # the workload rows that must agree for the steps to be called the same work
 MUST_AGREE = ("turns_per_traj", "response_tokens_mean")
 RAN = 1e-3  # seconds: a phase whose median is below this in a design was not run there (paired_rounds)
