@@ -14,11 +14,12 @@ the config's training questions in fastcredit's draw order (``fastcredit.data.sa
 ``t`` of each trainer rolls out the same prompts.
 
 Each step's seconds go to ``<out>/steps.jsonl`` under fastcredit's metric names (:class:`StepClock`): the step
-(``on_step_begin`` to ``on_step_end``), the rollout and its generation and retrieval, the reference log-probs (the
-reference model's forwards) and the update (from the policy's first forward with gradients to the step's end), and
-what the rollout did. ``--save-every K`` writes a checkpoint every K steps (``checkpoint-K``: the policy, its
-tokenizer, the optimizer), ``--resume`` continues from the last one. No TRL code is copied here; nothing in
-``fastcredit/`` imports TRL.
+(``on_step_begin`` to ``on_step_end``), the rollout and its generation and retrieval, the old log-probs (the policy's
+forwards without gradients outside the rollout: TRL runs them when one rollout feeds several optimizer steps), the
+reference log-probs (the reference model's forwards) and the update (from the policy's first forward with
+gradients to the step's end), and what the rollout did. ``--save-every K`` writes a checkpoint every K steps
+(``checkpoint-<optimizer steps>``: the policy, its tokenizer, the optimizer), ``--resume`` continues from the last
+one. No TRL code is copied here; nothing in ``fastcredit/`` imports TRL.
 """
 from __future__ import annotations
 
@@ -53,14 +54,37 @@ class StepClock(TrainerCallback):
     def __init__(self, rollout, path: str, per_rollout: int = 1):
         self.rollout, self.path, self.per_rollout = rollout, path, per_rollout
         self.t0 = self.update_from = None
-        self.ref_s, self._ref_t0 = 0.0, None
+        self.ref_s = self.old_s = 0.0
+        self._ref_t0 = self._old_t0 = None
+        self.in_rollout = False
+
+    def wrap(self, rollout_func):
+        """``rollout_func`` as TRL is given it: the clock knows when a policy forward is the rollout's."""
+        def timed(prompts, trainer):
+            self.in_rollout = True
+            try:
+                return rollout_func(prompts, trainer)
+            finally:
+                self.in_rollout = False
+
+        return timed
 
     def attach(self, trainer) -> None:
-        """Hooks on the trainer's models: the reference's forwards are timed; the policy's first forward with
-        gradients in a step starts the update (the rollout's generate runs without them)."""
+        """Hooks on the trainer's models: the reference's forwards are timed; so are the policy's forwards without
+        gradients outside the rollout (TRL's old log-probs, which it computes when a rollout feeds several
+        optimizer steps); the policy's first forward with gradients in a step starts the update."""
         def policy_forward(module, args):
-            if torch.is_grad_enabled() and self.t0 is not None and self.update_from is None:
+            if self.t0 is None or self.update_from is not None:
+                return
+            if torch.is_grad_enabled():
                 self.update_from = time.perf_counter()
+            elif not self.in_rollout:
+                self._old_t0 = time.perf_counter()
+
+        def policy_done(module, args, output):
+            if self._old_t0 is not None:
+                self.old_s += time.perf_counter() - self._old_t0
+                self._old_t0 = None
 
         def ref_begin(module, args):
             self._ref_t0 = time.perf_counter()
@@ -69,20 +93,22 @@ class StepClock(TrainerCallback):
             self.ref_s += time.perf_counter() - self._ref_t0
 
         trainer.model.register_forward_pre_hook(policy_forward)
+        trainer.model.register_forward_hook(policy_done)
         if getattr(trainer, "ref_model", None) is not None:
             trainer.ref_model.register_forward_pre_hook(ref_begin)
             trainer.ref_model.register_forward_hook(ref_end)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step % self.per_rollout == 0:  # the optimizer step that rolls out first
-            self.t0, self.update_from, self.ref_s = time.perf_counter(), None, 0.0
+            self.t0, self.update_from, self.ref_s, self.old_s = time.perf_counter(), None, 0.0, 0.0
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % self.per_rollout:
             return
         now = time.perf_counter()
         row = {"step": state.global_step // self.per_rollout, "time/step": now - self.t0,
-               "time/ref_logprobs": self.ref_s, "time/update": now - (self.update_from or now),
+               "time/old_logprobs": self.old_s, "time/ref_logprobs": self.ref_s,
+               "time/update": now - (self.update_from or now),
                **self.rollout.last_stats}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -159,9 +185,9 @@ def build(a, cfg):
     save = {"save_strategy": "steps", "save_steps": a.save_every * k} if a.save_every else {"save_strategy": "no"}
     args = GRPOConfig(output_dir=a.out, max_steps=a.steps * k, logging_steps=1, report_to="none", disable_tqdm=True,
                       dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(), **save, **kwargs)
-    trainer = GRPOTrainer(model=a.model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, rollout_func=rollout)
     clock = StepClock(rollout, os.path.join(a.out, STEPS_LOG), k)
+    trainer = GRPOTrainer(model=a.model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=tokenizer, rollout_func=clock.wrap(rollout))
     clock.attach(trainer)
     trainer.add_callback(clock)
     return trainer, rollout, clock

@@ -20,8 +20,8 @@ from bench.step_report import ROUND, decoded_tokens, paired_rounds, phase_table,
 TRAINING = ("fastcredit", "trl_replay")
 ROLLOUT = ("fastcredit", "trl")
 # the training side's phases: (label, metric keys), per trained token
-TRAINING_PHASES = (("reference log-probs", ("time/ref_logprobs",)), ("update", ("time/update",)),
-                   ("training step", ("time/train_step",)))
+TRAINING_PHASES = (("old log-probs", ("time/old_logprobs",)), ("reference log-probs", ("time/ref_logprobs",)),
+                   ("update", ("time/update",)), ("training step", ("time/train_step",)))
 ROLLOUT_PHASES = (("rollout", ("time/rollout",)),)
 GENERATION = (("generation (per decoded token)", ("time/rollout/generating",)),)
 NOT_TRAINING = ("time/rollout", "time/reward", "time/judge")

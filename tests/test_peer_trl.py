@@ -239,9 +239,10 @@ def test_the_replay_feeds_trl_the_recorded_token_ids(race):
     assert ReplayRollout(steps, lambda ids: "x")(["x"] * 8, at_start)["completion_ids"] == steps[0]["tokens"]
 
 
-def test_trl_runs_one_step_of_its_own_rollout_on_the_tiny_policy(race):
+def test_trl_runs_one_step_of_its_own_rollout_on_the_tiny_policy_and_resumes(race):
     """One GRPOTrainer step with the Search-R1 rollout_func against a /retrieve server on the world's corpus: the
-    step's row names every phase, the trained tokens are the rollout's, and the update moved the weights."""
+    step's row names every phase, the trained tokens are the rollout's, and the update moved the weights. Then
+    ``--resume`` to two steps: the second step trains from the first one's checkpoint, and the log holds both."""
     from fastcredit.retrieval.retriever import open_retriever
     from fastcredit.retrieval.serve import ServerLimits, ServerThread, make_app, retriever_batch_fn
 
@@ -249,17 +250,23 @@ def test_trl_runs_one_step_of_its_own_rollout_on_the_tiny_policy(race):
     retriever = open_retriever(corpus=str(work / "world" / "corpus.jsonl"), encoder="minilm")
     server = ServerThread(make_app(retriever_batch_fn(retriever), ServerLimits(), {}))
     url = server.start()
+    args = ["--config", DEBUG, "--model", work / "start", "--out", work / "trl", "--retrieval-url", url,
+            "--save-every", "1", *common]
     try:
-        proc = run_main("bench.peer_trl", ["--config", DEBUG, "--model", work / "start", "--out", work / "trl",
-                                           "--retrieval-url", url, "--steps", "1", *common])
+        first = run_main("bench.peer_trl", [*args, "--steps", "1"])
+        assert first.returncode == 0, first.stderr[-3000:]
+        (row,) = read_steps(str(work / "trl"))
+        result = json.load(open(work / "trl" / "result.json"))
+        resumed = run_main("bench.peer_trl", [*args, "--steps", "2", "--resume"])
     finally:
         server.stop()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (row,) = read_steps(str(work / "trl"))
     assert row["step"] == 1 and row["trajectories"] == 4 * 2
     assert all(row[k] > 0 for k in ("time/step", "time/rollout", "time/rollout/generating", "time/ref_logprobs",
-                                    "time/update", "tokens/trained", "decoded_tokens_per_traj"))
+                                    "time/update", "tokens/trained", "decoded_tokens_per_traj", "engine/steps"))
     assert row["time/rollout"] + row["time/update"] <= row["time/step"]
-    result = json.load(open(work / "trl" / "result.json"))
     start = json.load(open(work / "start" / "digest.json"))["folder"]
     assert result["start_weights"] == start and result["end_weights"] != start
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in read_steps(str(work / "trl"))] == [1, 2]
+    # debug.yaml: 2 mini-batches a step, so TRL's optimizer steps 2 and 4 end steps 1 and 2
+    assert {"checkpoint-2", "checkpoint-4"} <= set(os.listdir(work / "trl"))
