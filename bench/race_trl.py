@@ -53,9 +53,10 @@ def _run(cmd: list, what: str) -> None:
 
 
 def common_overrides(a, work: str) -> list:
-    """What every run of the race is given: its world and warm-start cache, no evaluation or checkpoints, the
-    engine, frozen weights; then the command line's overrides."""
-    return [f"data.world_dir={os.path.join(work, 'world')}", f"warmstart.cache_dir={os.path.join(work, 'warmstart')}",
+    """What every run of the race is given: GRPO (TRL's), its world and warm-start cache, no evaluation or
+    checkpoints, the engine; then the command line's overrides, and frozen weights."""
+    return ["credit.estimator=grpo", f"data.world_dir={os.path.join(work, 'world')}",
+            f"warmstart.cache_dir={os.path.join(work, 'warmstart')}",
             "eval.questions=0", "eval.every=0", "logging.checkpoint_every=0", "logging.progress=false",
             f"rollout.engine={a.engine}", *a.overrides, "optim.lr=0"]
 

@@ -161,7 +161,8 @@ class StepLoop:
         c.requests += 1
         c.prompt_tokens += len(getattr(o, "prompt_token_ids", None) or [])
         c.cached_tokens += int(getattr(o, "num_cached_tokens", None) or 0)
-        c.decoded_tokens += len(o.outputs[0].token_ids) if o.outputs else 0
+        # read as optionally as the rest: an output the counters cannot read is still settled
+        c.decoded_tokens += len(getattr(o.outputs[0], "token_ids", None) or []) if o.outputs else 0
 
     def take_counters(self) -> dict:
         """The step counters since the last call (:class:`StepCounters`' metrics), and new ones from here."""
