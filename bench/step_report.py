@@ -36,7 +36,14 @@ WORKLOAD = (("searches / trajectory", "searches_per_traj"), ("turns / trajectory
             ("invalid turns / trajectory", "invalid_per_traj"), ("truncated trajectories", "truncated_frac"),
             ("response tokens / trajectory", "response_tokens_mean"),
             ("decoded tokens / trajectory", "decoded_tokens_per_traj"), ("trained tokens / step", "tokens/trained"),
-            ("format followed", "format_ok"))
+            ("format followed", "format_ok"),
+            # the engine's steps (issue 60 item 6: what a decoded token costs depends on them)
+            ("sequences in flight / engine step", "engine/seqs_per_step"),
+            ("the same, in steps that admit no request", "engine/decode_seqs_per_step"),
+            ("prefilled prompt tokens / decoded token", "engine/prefill_per_decoded"),
+            ("prefix-cache hit rate (prompt tokens)", "engine/prefix_hit_rate"),
+            ("seconds in engine steps that admit requests", "engine/admit_step_s"),
+            ("seconds in engine steps that admit none", "engine/decode_step_s"))
 # the workload rows that must agree for the steps to be called the same work
 MUST_AGREE = ("turns_per_traj", "response_tokens_mean")
 RAN = 1e-3  # seconds: a phase whose median is below this in a design was not run there (paired_rounds)
@@ -62,10 +69,10 @@ def decoded_tokens(row: dict) -> float:
     return row.get("decoded_tokens_per_traj", 0.0) * row.get("trajectories", 0.0)
 
 
-def phase_table(runs: dict) -> list[dict]:
+def phase_table(runs: dict, designs: tuple = DESIGNS) -> list[dict]:
     """Rows ``{phase, inside, <design>: median seconds, <design>_us_per_token, ratio}``: the top-level phases,
     "other", then the "of which" rows, the step and tokens/s. Per token: of a trained token, but the generation's of
-    a decoded one."""
+    a decoded one. ``ratio``: ``designs[0]`` over ``designs[1]``."""
     table = []
 
     def add(label: str, inside: bool, plus: tuple, minus: tuple = ()) -> None:
@@ -84,7 +91,7 @@ def phase_table(runs: dict) -> list[dict]:
     add("step", False, ("time/step",))
     table.append({"phase": "tokens/s", "inside": False, "per": None,
                   **{d: _median(runs[d]["rows"], ("tokens_per_s",)) for d in runs}})
-    a, b = DESIGNS
+    a, b = designs
     for row in table:
         row["ratio"] = row[a] / row[b] if row[b] > 1e-9 else None
         pa, pb = row.get(f"{a}_us_per_token"), row.get(f"{b}_us_per_token")
@@ -92,22 +99,24 @@ def phase_table(runs: dict) -> list[dict]:
     return table
 
 
-def paired_rounds(runs: dict) -> list[dict]:
+def paired_rounds(runs: dict, designs: tuple = DESIGNS, phases: tuple = (), tokens=trained_tokens) -> list[dict]:
     """The phases' ratios paired by round, per trained token: in each round both designs ran in fresh processes
     minutes apart, so a round's ratio (of each design's median over its steps) cancels the machine's drift between
     rounds, which pooled medians do not. Rows ``{phase, rounds, ratio, lo, hi, per_round}``: the geometric mean of
     the rounds' ratios and its 95% interval (t over the rounds' log ratios). A phase one design does not run (its
-    median under ``RAN``) and rows whose steps carry no ``ROUND`` tag (one round, or older reports) give no rows."""
-    a, b = DESIGNS
-    rounds = sorted({r[ROUND] for d in DESIGNS for r in runs[d]["rows"] if ROUND in r})
+    median under ``RAN``) and rows whose steps carry no ``ROUND`` tag (one round, or older reports) give no rows.
+    ``phases``: ``(label, metric keys)`` pairs (default: the top-level ones and the step); ``tokens(row)``: the
+    tokens a step's seconds are divided by (default: trained; :func:`decoded_tokens` for the generation)."""
+    a, b = designs
+    rounds = sorted({r[ROUND] for d in designs for r in runs[d]["rows"] if ROUND in r})
     out = []
-    for label, keys in (*TOP, ("step", ("time/step",))):
-        if min(_median(runs[d]["rows"], keys) for d in DESIGNS) < RAN:  # a phase one design skips
+    for label, keys in phases or (*TOP, ("step", ("time/step",))):
+        if min(_median(runs[d]["rows"], keys) for d in designs) < RAN:  # a phase one design skips
             continue
         per_round = []
         for n in rounds:
-            pa = _per([r for r in runs[a]["rows"] if r.get(ROUND) == n], keys, (), trained_tokens)
-            pb = _per([r for r in runs[b]["rows"] if r.get(ROUND) == n], keys, (), trained_tokens)
+            pa = _per([r for r in runs[a]["rows"] if r.get(ROUND) == n], keys, (), tokens)
+            pb = _per([r for r in runs[b]["rows"] if r.get(ROUND) == n], keys, (), tokens)
             if pa is not None and pb:
                 per_round.append(pa / pb)
         if len(per_round) < 2 or min(per_round) <= 0:
@@ -124,9 +133,9 @@ def workload(runs: dict) -> list[dict]:
             for label, key in WORKLOAD if all(key in r for run in runs.values() for r in run["rows"])]
 
 
-def comparability(rows: list[dict]) -> tuple[bool, list[str]]:
+def comparability(rows: list[dict], designs: tuple = DESIGNS) -> tuple[bool, list[str]]:
     """``(same work, why not)``: turns and response tokens per trajectory within ``COMPARABLE`` of each other."""
-    a, b = DESIGNS
+    a, b = designs
     why = []
     for row in rows:
         if row["key"] not in MUST_AGREE:

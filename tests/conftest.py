@@ -42,6 +42,7 @@ settings.load_profile("ci")
 LONGEST_FIRST = (
     "tests/test_train.py",                            # 187
     "tests/test_split_train.py",                      # 134
+    "tests/test_peer_trl.py",                         # 115
     "tests/test_compare.py",                          # 99
     "tests/test_gpu_check.py",                        # 89
     "tests/prm/test_prm_train.py",                    # 76

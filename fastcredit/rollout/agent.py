@@ -21,7 +21,9 @@ Two schedules over the same state machine (:class:`Episode`):
 Both report where the rollout's wall time went (:class:`Activity`): seconds with generation
 in flight, with retrieval in flight, and with both (``time/rollout/overlap``: in async mode
 some episodes decode while others wait for the retriever; in lockstep never), and each
-trajectory's own waits.
+trajectory's own waits; and what the engine's steps did (``engine/*``, an engine's
+``take_step_counters``: sequences in flight a step, the steps that prefilled new requests and their
+seconds, prompt tokens and those the prefix cache served, decoded tokens).
 
 Token ids are never re-tokenized: the action's ids are the engine's sampled ids and the
 observation's ids come from the retriever's token store (or are tokenized once, for the
@@ -337,6 +339,9 @@ class AgentLoop:
         if self.mode == "lockstep" and self.step_hook is not None:
             raise ValueError("step hooks (ProCeed rewinds) need rollout.mode=async")
         self.activity = Activity()
+        counters = getattr(self.engine, "take_step_counters", None)
+        if counters is not None:
+            counters()  # what the engine did before (a judge, an evaluation) is not this rollout's
         # Open even with no prompts: a rank with nothing to roll out still meets the others' retrieval rounds.
         try:
             with searcher_session(self.searcher):
@@ -349,7 +354,10 @@ class AgentLoop:
             if end is not None:  # no thread of the rollout outlives it (fastcredit.runtime.threads)
                 end()
         seconds = time.perf_counter() - t0
-        return self._result(episodes, group_id, seconds, calls)
+        result = self._result(episodes, group_id, seconds, calls)
+        if counters is not None:  # the engine's steps: sequences a step, prefill and prefix-cache tokens (engine/*)
+            result.stats.update(counters())
+        return result
 
     async def _async(self, prompts, metas) -> tuple[list[Episode], int]:
         search = AsyncSearch(self.searcher, self.retrieval_batch, self.retrieval_timeout_ms,

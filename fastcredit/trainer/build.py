@@ -32,10 +32,12 @@ REPORT_OPTIONS = (
 )
 
 
-def colocated_trainer(cfg, info, resume: bool = False, profile: bool = False):
+def colocated_trainer(cfg, info, resume: bool = False, profile: bool = False, collect=None):
     """The Trainer of a colocated rank (``info``: its DistInfo): both roles here
     (``fastcredit.trainer.parts.build_colocated``), its batches collected by this rank's own engine, searcher and
-    judges, its weights synced into that engine before each rollout (``fastcredit.trainer.placement``)."""
+    judges, its weights synced into that engine before each rollout (``fastcredit.trainer.placement``).
+    ``collect(rollout_parts, cfg, info, timer)``: the batch source (None: ``LocalCollect``; a benchmark passes one
+    that records the batches)."""
     from fastcredit.trainer.loop import Trainer
     from fastcredit.trainer.parts import build_colocated
     from fastcredit.trainer.placement import EngineSync, LocalCollect
@@ -43,7 +45,7 @@ def colocated_trainer(cfg, info, resume: bool = False, profile: bool = False):
 
     run = open_run(cfg, info, resume)
     training, rollout = build_colocated(cfg, info, run.out_dir, run.say)
-    source = LocalCollect(rollout, cfg, info, run.timer)
+    source = (collect or LocalCollect)(rollout, cfg, info, run.timer)
     return Trainer(cfg, run, training, source, EngineSync(), resume=resume, profile=profile)
 
 

@@ -34,6 +34,40 @@ class SamplingParams:
 
 
 @dataclass
+class StepCounters:
+    """What an engine's steps did since its counters were last taken (:meth:`Engine.take_step_counters`): how many
+    sequences each step ran, which steps took new requests in (their prompts are prefilled there: the HF engine's
+    prefill forward; vLLM's scheduler step that added them, as far as its token budget a step allows), the seconds
+    of each kind, and the finished requests' prompt tokens, those the prefix cache served (vLLM's
+    ``RequestOutput.num_cached_tokens``; the HF engine's prefix hits) and the tokens they decoded."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    seqs: int = 0  # requests in flight, summed over the steps
+    admit_steps: int = 0  # steps that added requests to the engine
+    admit_s: float = 0.0
+    admit_seqs: int = 0
+    requests: int = 0  # finished
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    decoded_tokens: int = 0
+
+    def metrics(self) -> dict:
+        """``engine/*`` step metrics: means per step, seconds, tokens and the prefix cache's hit rate."""
+        decode_steps = self.steps - self.admit_steps
+        return {"engine/steps": float(self.steps), "engine/step_s": self.step_s,
+                "engine/seqs_per_step": self.seqs / max(self.steps, 1),
+                "engine/admit_steps": float(self.admit_steps), "engine/admit_step_s": self.admit_s,
+                "engine/decode_step_s": self.step_s - self.admit_s,
+                "engine/decode_seqs_per_step": (self.seqs - self.admit_seqs) / max(decode_steps, 1),
+                "engine/prompt_tokens": float(self.prompt_tokens), "engine/cached_tokens": float(self.cached_tokens),
+                "engine/prefix_hit_rate": self.cached_tokens / max(self.prompt_tokens, 1),
+                "engine/decoded_tokens": float(self.decoded_tokens),
+                # prompt tokens computed (not served by the prefix cache) per token decoded
+                "engine/prefill_per_decoded": (self.prompt_tokens - self.cached_tokens) / max(self.decoded_tokens, 1)}
+
+
+@dataclass
 class GenOutput:
     token_ids: list
     logprobs: Optional[list]
@@ -98,6 +132,11 @@ class Engine(abc.ABC):
 
     def close(self) -> None:
         pass
+
+    def take_step_counters(self) -> dict:
+        """What the engine's steps did since the last call (``engine/*`` metrics: steps, sequences a step, prefill
+        and prefix-cache tokens), then counted afresh; empty for an engine that keeps none."""
+        return {}
 
     max_batch: int = 256
     batch_timeout_ms: float = 5.0

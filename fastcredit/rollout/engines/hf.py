@@ -16,11 +16,12 @@ a finished row's tokens prefills only its new tokens (``hf_prefix``).
 from __future__ import annotations
 
 import inspect
+import time
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from fastcredit.rollout.engines.base import Engine, GenOutput, SamplingParams
+from fastcredit.rollout.engines.base import Engine, GenOutput, SamplingParams, StepCounters
 from fastcredit.rollout.engines.hf_prefix import PrefixCache, join, row_kv
 
 _TAIL_TOKENS = 16  # tokens decoded to look for a stop string (the longest tag is a few tokens)
@@ -95,6 +96,8 @@ class HFEngine(Engine):
         # the LM head over every other prompt position ([R, L, V] logits: most of a small model's prefill).
         self._last_only = ({"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters
                            else {})
+        # every forward is a step: a batch's prefill (an "admitting" step) and each of its decode steps
+        self.counters = StepCounters()
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: Union[SamplingParams, Sequence[SamplingParams]]) -> list[GenOutput]:
@@ -123,7 +126,9 @@ class HFEngine(Engine):
         lps: list[list[float]] = [[] for _ in range(R)]
         done: list = [None] * R  # (finish_reason, stop_reason) once finished
         alive = list(range(R))
+        t = time.perf_counter()
         out, mask, last_pos = self._prefill(prompts)
+        self._count(R, time.perf_counter() - t, admitted=True)
         cache, logits = out.past_key_values, out.logits[:, -1]
         procs = [None if p.constraint is None else p.constraint.decoder(
             p.constraint.tokenizer or self.tokenizer, p.max_tokens, logits.shape[-1], p.stop_token_ids) for p in params]
@@ -153,16 +158,35 @@ class HFEngine(Engine):
                 alive = [alive[j] for j in keep]
             mask = torch.cat([mask, torch.ones((len(alive), 1), dtype=mask.dtype, device=self.device)], 1)
             last_pos = last_pos + 1
+            t = time.perf_counter()
             out = self.model(input_ids=nxt[:, None].to(self.device), attention_mask=mask,
                              position_ids=last_pos[:, None], past_key_values=cache, use_cache=True)
+            self._count(len(alive), time.perf_counter() - t)
             cache, logits = out.past_key_values, out.logits[:, -1]
+        c = self.counters
+        c.requests += R
+        c.prompt_tokens += sum(len(p) for p in prompts)
+        c.decoded_tokens += sum(len(x) for x in toks)
         return [GenOutput(toks[r], lps[r] if params[r].logprobs else None, done[r][0], done[r][1],
                           version=self.weights_version) for r in range(R)]
+
+    def _count(self, seqs: int, seconds: float, admitted: bool = False) -> None:
+        c = self.counters
+        c.steps, c.step_s, c.seqs = c.steps + 1, c.step_s + seconds, c.seqs + seqs
+        if admitted:
+            c.admit_steps, c.admit_s, c.admit_seqs = c.admit_steps + 1, c.admit_s + seconds, c.admit_seqs + seqs
+
+    def take_step_counters(self) -> dict:
+        """The forwards' counters since the last call (:class:`~fastcredit.rollout.engines.base.StepCounters`:
+        prefills count as admitting steps; the prefix cache's hits are the prompt tokens it saved)."""
+        taken, self.counters = self.counters, StepCounters()
+        return taken.metrics()
 
     def _prefill(self, prompts: Sequence[Sequence[int]]) -> tuple:
         """The prompts' forward: ``(output, attention mask [R, T], last position [R])``. Rows whose prompt extends a
         kept prefix run only the tokens after it (:mod:`~fastcredit.rollout.engines.hf_prefix`)."""
         hits = [self.prefix.take(p) for p in prompts] if self.prefix is not None else []
+        self.counters.cached_tokens += sum(n for n, kv in hits if kv is not None)
         if any(kv is not None for _, kv in hits):
             ids, mask, pos, past = join(prompts, hits, self.pad_id, self.model.config, self.device)
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=past,

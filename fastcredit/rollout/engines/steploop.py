@@ -13,7 +13,7 @@ import weakref
 from typing import Callable, Optional, Sequence
 
 from fastcredit.runtime.devices import bind_thread
-from fastcredit.rollout.engines.base import GenOutput, SamplingParams
+from fastcredit.rollout.engines.base import GenOutput, SamplingParams, StepCounters
 
 # settle(result, error): called once per request from the driver thread
 Settle = Callable[[Optional[GenOutput], Optional[BaseException]], None]
@@ -55,6 +55,7 @@ class StepLoop:
         self._started: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()  # driver threads (not callers)
         self.dead: Optional[BaseException] = None
         self.steps, self.step_s, self.max_running = 0, 0.0, 0
+        self.counters = StepCounters()  # since the last take_counters (a rollout's, for its metrics)
 
     @property
     def busy(self) -> bool:
@@ -104,8 +105,9 @@ class StepLoop:
             self._aborts = []
             return new, aborts
 
-    def _add(self, new: list, aborts: list) -> None:
-        gone = set(aborts)
+    def _add(self, new: list, aborts: list) -> int:
+        """Abort ``aborts``, add ``new`` to the engine; how many were added."""
+        gone, added = set(aborts), 0
         for rid in aborts:
             if self._inflight.pop(rid, None) is not None:
                 self._engine.abort_request([rid])
@@ -118,11 +120,13 @@ class StepLoop:
                 settle(None, EngineError(f"vLLM rejected the request ({len(prompt)} prompt tokens): {e}"))
                 continue
             self._inflight[rid] = (params, settle, self._version())
+            added += 1
+        return added
 
     def _step(self, new: list, aborts: list) -> None:
         """Add what arrived, run one scheduler step, settle the requests that finished."""
         with self.lock:
-            self._add(new, aborts)
+            added = self._add(new, aborts)
             self._moving = 0
             if not self._inflight:
                 return
@@ -131,10 +135,13 @@ class StepLoop:
                 self.between_steps()
             t = time.perf_counter()
             outs = self._engine.step()
-            self.step_s += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            self.step_s += dt
             self.steps += 1
+            self._count_step(len(self._inflight), added > 0, dt)
         for o in outs:
             if o.finished and o.request_id in self._inflight:
+                self._count_finished(o)
                 params, settle, version = self._inflight.pop(o.request_id)
                 try:
                     result = self._convert(o.outputs[0], params, version)
@@ -142,6 +149,26 @@ class StepLoop:
                     settle(None, EngineError(f"reading vLLM's output failed: {e!r}"))
                     continue
                 settle(result, None)
+
+    def _count_step(self, seqs: int, admitted: bool, seconds: float) -> None:
+        c = self.counters
+        c.steps, c.step_s, c.seqs = c.steps + 1, c.step_s + seconds, c.seqs + seqs
+        if admitted:
+            c.admit_steps, c.admit_s, c.admit_seqs = c.admit_steps + 1, c.admit_s + seconds, c.admit_seqs + seqs
+
+    def _count_finished(self, o) -> None:
+        c = self.counters
+        c.requests += 1
+        c.prompt_tokens += len(getattr(o, "prompt_token_ids", None) or [])
+        c.cached_tokens += int(getattr(o, "num_cached_tokens", None) or 0)
+        # read as optionally as the rest: an output the counters cannot read is still settled
+        c.decoded_tokens += len(getattr(o.outputs[0], "token_ids", None) or []) if o.outputs else 0
+
+    def take_counters(self) -> dict:
+        """The step counters since the last call (:class:`StepCounters`' metrics), and new ones from here."""
+        with self.lock:
+            taken, self.counters = self.counters, StepCounters()
+        return taken.metrics()
 
     def _run(self) -> None:
         try:

@@ -314,6 +314,10 @@ class VLLMEngine(Engine):
         vllm_compat.reload_weights(self.llm, ((n, t.detach().to(dev)) for n, t in named_tensors))
         vllm_compat.reset_prefix_cache(self.llm, running=True)
 
+    def take_step_counters(self) -> dict:
+        """The scheduler steps' counters since the last call (``base.StepCounters``)."""
+        return self.driver.take_counters()
+
     def end_rollout(self) -> None:
         """The driver thread ends (fastcredit.runtime.threads: one OpenMP team per process between rollouts)."""
         self._driving = None
