@@ -37,7 +37,7 @@ from transformers import TrainerCallback  # noqa: E402
 
 from bench.bench_step import peak_gib, reset_peak  # noqa: E402
 from bench.peer_trl_rollout import (Caps, ReplayRollout, SearchR1Rollout, group_prompts, load_replay,  # noqa: E402
-                                    outcome_reward, replayed_reward)
+                                    replayed_reward, trl_reward)
 from bench.peer_trl_settings import grpo_kwargs, markdown_table, settings  # noqa: E402
 from bench.race_fastcredit import DIGEST, folder_digest  # noqa: E402
 
@@ -178,7 +178,7 @@ def build(a, cfg):
         rows, ids = training_rows(cfg, tokenizer, a.steps)
         rollout = SearchR1Rollout(tokenizer, ids, Caps.from_config(cfg.rollout), RetrievalClient(a.retrieval_url),
                                   cfg.retrieval.topk)
-        reward = outcome_reward(cfg.credit.reward)
+        reward = trl_reward(cfg)
     kwargs = grpo_kwargs(settings(cfg, a.micro_batch))
     kwargs["model_init_kwargs"] = {**kwargs["model_init_kwargs"], "attn_implementation": cfg.model.attn_impl}
     k = per_rollout(cfg)

@@ -243,12 +243,17 @@ def rollout_stats(trajs: list, seconds: float, generating: float, retrieving: fl
             "tokens/trained": float(sum(len(t.prompt_ids) + len(t.completion) for t in trajs))}
 
 
-def outcome_reward(kind: str):
-    """A TRL reward function scoring each trajectory's answer as fastcredit's ``credit.reward=kind`` does (its
-    actions' texts come from the rollout, the gold answers from the dataset)."""
+def trl_reward(cfg):
+    """A TRL reward function scoring each trajectory's answer as fastcredit's run of ``cfg`` does: its outcome reward
+    (``credit.reward``, ``auto`` resolved) with its ``lambda_f`` and ``format_bonus``; the actions' texts come from the
+    rollout, the gold answers from the dataset."""
+    from fastcredit.config.credit import outcome_reward
+
+    kind, c = outcome_reward(cfg), cfg.credit
 
     def reward(completions, action_texts, golden_answers, **kwargs) -> list:
-        return [score_trajectory(a, g, kind=kind).reward for a, g in zip(action_texts, golden_answers)]
+        return [score_trajectory(a, g, kind=kind, lambda_f=c.lambda_f, format_bonus=c.format_bonus).reward
+                for a, g in zip(action_texts, golden_answers)]
 
     reward.__name__ = f"{kind}_reward"  # TRL logs each reward function under its name
     return reward

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from fastcredit.config.credit import outcome_reward
+
 
 class Unmappable(ValueError):
     """A fastcredit setting TRL's GRPOTrainer has no counterpart for."""
@@ -123,9 +125,9 @@ def settings(cfg, micro_batch: int) -> list[Setting]:
         Setting("response cap", "rollout.max_response_tokens", r.max_response_tokens,
                 {"max_completion_length": r.max_response_tokens},
                 "TRL does not apply it to rollout_func's output: the rollout enforces every rollout.* cap"),
-        Setting("reward", "credit.reward", c.reward, {},
+        Setting("reward", "credit.reward", outcome_reward(cfg), {},
                 "not a GRPOConfig argument: TRL's reward function (reward_funcs=) is fastcredit's scorer of this "
-                "reward (bench/peer_trl_rollout.py, outcome_reward)"),
+                "reward (bench/peer_trl_rollout.py, trl_reward)"),
         Setting("seed", "seed", cfg.seed, {"seed": cfg.seed, "data_seed": cfg.seed}),
     ]
 

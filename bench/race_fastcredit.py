@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--warmup", type=int, default=0)
     p.add_argument("--record", default=None, help="steps: write each step's batch into this folder")
-    p.add_argument("--result", default=None, help="steps: where the result JSON goes")
+    p.add_argument("--result", default=None, help="steps: where the result JSON goes (default: WORK/result.json)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     a = p.parse_intermixed_args(argv)
     from fastcredit.runtime.progress import quiet_library_bars
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
         print(json.dumps(prepare(a.config, a.overrides, a.work, a.start or os.path.join(a.work, "start"))))
         return 0
     result = run_steps(a.config, a.overrides, a.work, a.steps, a.warmup, a.record)
-    with open(a.result or os.path.join(a.work, "fastcredit.result.json"), "w") as f:
+    with open(a.result or os.path.join(a.work, "result.json"), "w") as f:
         json.dump(result, f)
     return 0
 

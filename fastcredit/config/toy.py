@@ -20,7 +20,7 @@ from fastcredit.config.ranges import check_ranges
 
 @dataclass
 class LookupWorldConfig:
-    entities: int = opt(1500, "training entities: the entities training questions ask about", range=COUNT)
+    entities: int = opt(6000, "training entities: the entities training questions ask about", range=COUNT)
     test_entities: int = opt(300, "held-out entities: test questions ask only about these, and no training question "
                                   "names one (disjoint from data.toy.lookup.entities)", range=COUNT)
     min_k: int = opt(3, "fewest entities a question asks about (K, 1 to 8)", range="[1, 8]",
@@ -29,7 +29,7 @@ class LookupWorldConfig:
                      range="[1, 8]")
     slack: int = opt(1, "searches a trajectory may make beyond its K: its turn budget is K + slack searches and the "
                         "answer (the question's turn_budget; rollout.max_turns must hold the largest)", range="[0, 8]")
-    name_words: int = opt(80, "first names (in near-identical pairs) and surnames the entities' names are made of: "
+    name_words: int = opt(120, "first names (in near-identical pairs) and surnames the entities' names are made of: "
                               "every word is common to training and held-out names, an entity is a new pair",
                           range="[2, inf)")
     decoy_fraction: float = opt(1.0, "share of entities given a decoy: an entity of the same surname whose first name "

@@ -20,8 +20,13 @@ entity nor its decoy is searched again with the entity's full name. Each think q
 read and the codes found so far, then names the next search, as the chain world's oracle does
 (``fastcredit.data.toyqa.oracle_actions``):
 
-    <think> Sagul Gitris has the code 417. Found 417. I need to find Manos Limom code.</think>
+    <think> Sagul Gitris has the code 417. Found 417. I need to find #2 Manos Limom code.</think>
     <search> Manos Limom code </search>
+
+and the last one, before the answer, every code found, then the answer, which repeats them (each list is the one
+before it and one code more, copied from the think just before):
+
+    <think> Voter Tadar has the code 953. Found 417, 082, 953. The answer is 417, 082, 953.</think>
 """
 from __future__ import annotations
 
@@ -68,12 +73,13 @@ def plan_lookup_demos(examples: Sequence[QAExample], pool: Sequence[str], waste:
 
 def demo_queries(examples: Sequence[QAExample], plans: dict[str, list[Decision]]) -> list[str]:
     """Every query a demonstration may search, each once, sorted: each needed entity's full and surname queries and
-    each planned off-question search."""
+    each planned off-question search (a planned repeat's too: with nothing found yet it becomes one)."""
     out = set()
     for ex in examples:
         for h in question_hops(ex):
             out.update((gold_query(h["subject"]), surname_query(h["subject"])))
-        out.update(gold_query(other) for kind, other in plans.get(ex.id, ()) if kind == OFF)
+        # a repeat with nothing found yet searches the off-question entity instead
+        out.update(gold_query(other) for kind, other in plans.get(ex.id, ()) if kind in (OFF, REPEAT))
     return sorted(out)
 
 
@@ -121,7 +127,7 @@ def lookup_actions(example: QAExample, plan: Sequence[Decision], retrieved: Call
             done.append(need["subject"])
         last = f" {name} has the code {code}." if name else ""
     answer = answer_text(codes)
-    out.append((_think(last, [], f"The answer is {answer}.") + f"\n<answer> {answer} </answer>", None))
+    out.append((_think(last, codes, f"The answer is {answer}.") + f"\n<answer> {answer} </answer>", None))
     return out
 
 

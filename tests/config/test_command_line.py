@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # the least each command's line needs (its required flags), so that a bad word is what it refuses
 MINIMAL = {"fastcredit.eval": ["--model", "m"], "fastcredit.export": ["--run", "r", "--out", "o"],
            "fastcredit.prm.label": ["--model", "m"], "fastcredit.prm.serve": ["--model", "m"],
-           "fastcredit.retrieval.build": ["--corpus", "c", "--out", "o"], "fastcredit.data.toyworld": ["--out", "o"]}
+           "fastcredit.retrieval.build": ["--corpus", "c", "--out", "o"], "fastcredit.data.toyworld": ["--out", "o"],
+           "fastcredit.compare.sweep": ["--point", "1=r.json"]}
 # the commands that take a config: --config X.yaml and key=value overrides
 TAKE_A_CONFIG = {"fastcredit.train", "fastcredit.eval", "fastcredit.prepare", "fastcredit.prm.train",
                  "fastcredit.prm.label", "fastcredit.compare"}

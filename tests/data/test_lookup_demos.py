@@ -107,5 +107,11 @@ def test_plans_are_seeded_and_their_queries_cover_every_search(world):
         assert {q for _, q in actions if q is not None} <= queries
         for kind, other in plans[ex.id]:
             assert other not in ex.question
+    # a repeat before anything is found searches the off-question entity: that query is planned too
+    ex = world.train[0]
+    other = next(n for n in world.entities if n not in ex.question and "decoy_of" not in world.entities[n])
+    plan = [(REPEAT, other), (OK, ""), (OK, ""), (OK, "")]
+    actions = lookup_actions(ex, plan, exact_retriever(world), passage_reader(world))
+    assert actions[0][1] == gold_query(other) in demo_queries([ex], {ex.id: plan})
     with pytest.raises(ValueError, match="add up to more than 1"):
         plan_lookup_demos(world.train, pool, 0.6, 0.5, random.Random(1))
