@@ -162,6 +162,8 @@ class VLLMEngine(Engine):
         self.sleep_supported = cuda
         self._weights_dropped = False  # a level-2 sleep left the weights asleep (vllm_compat.wake_up's order)
         self.llm = LLM(**kw)
+        # the executor vLLM chose (external_launcher under torchrun, uni otherwise), as its config holds it
+        self.executor = str(self.llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend)
         self.driver = StepLoop(self.llm.llm_engine, self._render, self._params, self._convert, self.device,
                                version=lambda: self.weights_version)
         self._driving: Optional[tuple] = None  # (event loop, its scheduler-step task, that task's wake-up event)
