@@ -194,6 +194,20 @@ def test_the_settings_map_onto_grpo_config_and_the_docs_show_them():
             settings(load_config([os.path.join(ROOT, "configs", "searchr1_grpo.yaml")], [override]), 5)
 
 
+def test_trls_reward_is_the_runs_outcome_reward():
+    """The reward function TRL gets scores as fastcredit's run of the same config: ``credit.reward=auto`` resolved
+    (CriticSearch's graded reward on the chain world, plain EM on the lookup world), with the run's lambda_f."""
+    from bench.peer_trl_rollout import trl_reward
+
+    actions = ["<search> q </search>", "<answer> Paris </answer>"]
+    wrong = ["<answer> Rome </answer>"]
+    chain = trl_reward(load_config([DEBUG], ["credit.lambda_f=0.3"]))
+    assert chain.__name__ == "criticsearch_reward"
+    assert chain([None] * 2, [actions, wrong], [["Paris"], ["Paris"]]) == [1.0, 0.3]  # formatted, wrong: lambda_f
+    lookup = trl_reward(load_config([DEBUG], ["data.toy.kind=lookup", "rollout.max_turns=5"]))
+    assert lookup.__name__ == "em_reward" and lookup([None] * 2, [actions, wrong], [["Paris"], ["Paris"]]) == [1, 0]
+
+
 # ------------------------------------------------------------------- real steps on the tiny policy (debug world)
 
 SMALL = ["logging.progress=false", "eval.questions=0", "logging.checkpoint_every=0", "optim.weight_decay=0",
