@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from fastcredit.config.credit import outcome_reward
 from fastcredit.credit.rewards import score_trajectory
 from fastcredit.credit.types import TurnKind
 from fastcredit.retrieval.observation import format_observation
@@ -247,8 +248,6 @@ def trl_reward(cfg):
     """A TRL reward function scoring each trajectory's answer as fastcredit's run of ``cfg`` does: its outcome reward
     (``credit.reward``, ``auto`` resolved) with its ``lambda_f`` and ``format_bonus``; the actions' texts come from the
     rollout, the gold answers from the dataset."""
-    from fastcredit.config.credit import outcome_reward
-
     kind, c = outcome_reward(cfg), cfg.credit
 
     def reward(completions, action_texts, golden_answers, **kwargs) -> list:

@@ -154,7 +154,7 @@ def build_rollout_side(cfg: TrainConfig, info, shared: Shared, out_dir: str, say
     if cfg.rollout.engine == "vllm":
         util, offloaded = vllm_memory_share(cfg, info.device, start.folder, list(train_state), say, offload)
     engine = rollout_engine(cfg, shared.tokenizer, start, info.device, util)
-    if getattr(engine, "executor", None):
+    if cfg.rollout.engine == "vllm":
         say(f"rollout.engine=vllm: vLLM's {engine.executor} executor on {info.device}")
     backend = make_backend(cfg, engine, info.device, policy_config=policy_config)
     proceed_hook = build_proceed_hook(cfg, backend, engine, shared.tokenizer)
