@@ -28,34 +28,19 @@ import os
 import sys
 from typing import Optional
 
-from fastcredit.config import ConfigError, command_parser, load_config
+from fastcredit.config import ConfigError, load_config
 from fastcredit.distributed.process_group import init_distributed, rank_failure_ends_job, shutdown, world_size_here
 from fastcredit.runtime.progress import quiet_library_bars
-from fastcredit.trainer.build import (add_memory_report_flags, colocated_trainer, memory_report_request,
-                                      split_trainer)
+from fastcredit.trainer.build import colocated_trainer, memory_report_request, split_trainer, train_parser
 from fastcredit.trainer.checks import check_run
 from fastcredit.trainer.memory.request import memory_report
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
 
 
-SYNOPSIS = """python -m fastcredit.train [--config X.yaml] [key=value ...] [--resume] [--profile]
-       python -m fastcredit.train [--config X.yaml] [key=value ...] --memory-report [--gpu-gib G] [--gpus N]
-                                  [--host-gib H] [--gpus-per-node N]"""
-
-
 def parser():
-    """The command's line: the config, its overrides, the run's flags and the memory report's."""
-    p = command_parser("python -m fastcredit.train", __doc__, usage=SYNOPSIS, help_prefixes="rollout, optim.lr",
-                       config="the run's YAML (values only; default configs/demo.yaml); key=value overrides apply "
-                              "after it")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the run folder's last checkpoint (metrics.jsonl is cut back to it)")
-    p.add_argument("--profile", action="store_true",
-                   help="three steps profiled: a torch.profiler trace and its per-phase table in RUN/profile/, and "
-                        "the CUDA profiler range nsys captures (nsys --capture-range=cudaProfilerApi) where it runs")
-    add_memory_report_flags(p)
-    return p
+    """The command's line: :func:`fastcredit.trainer.build.train_parser`, with this module's docstring as its help."""
+    return train_parser(__doc__)
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
+from fastcredit.config.command_line import command_parser
 from fastcredit.trainer.memory.request import ReportRequest
 
 # --memory-report's options: (flag, ReportRequest field, type, metavar, help)
@@ -63,6 +64,26 @@ def split_trainer(cfg, layout, resume: bool = False, profile: bool = False):
     source = MailboxCollect(cfg, layout, run, len(training.shared.data.train))
     sink = RolloutStream(cfg, layout, training.training.policy, run.timer)
     return Trainer(cfg, run, training, source, sink, resume=resume, profile=profile)
+
+
+TRAIN_SYNOPSIS = """python -m fastcredit.train [--config X.yaml] [key=value ...] [--resume] [--profile]
+       python -m fastcredit.train [--config X.yaml] [key=value ...] --memory-report [--gpu-gib G] [--gpus N]
+                                  [--host-gib H] [--gpus-per-node N]"""
+
+
+def train_parser(doc: str = "") -> argparse.ArgumentParser:
+    """The training command's line (``python -m fastcredit.train``): the config, its overrides, the run's flags and
+    the memory report's. ``doc``: the command's help prose (its module docstring)."""
+    p = command_parser("python -m fastcredit.train", doc, usage=TRAIN_SYNOPSIS, help_prefixes="rollout, optim.lr",
+                       config="the run's YAML (values only; default configs/demo.yaml); key=value overrides apply "
+                              "after it")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the run folder's last checkpoint (metrics.jsonl is cut back to it)")
+    p.add_argument("--profile", action="store_true",
+                   help="three steps profiled: a torch.profiler trace and its per-phase table in RUN/profile/, and "
+                        "the CUDA profiler range nsys captures (nsys --capture-range=cudaProfilerApi) where it runs")
+    add_memory_report_flags(p)
+    return p
 
 
 def add_memory_report_flags(parser: argparse.ArgumentParser) -> None:

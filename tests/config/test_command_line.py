@@ -8,8 +8,7 @@ import os
 import pytest
 
 from fastcredit.config.command_line import CommandParser
-from fastcredit.train import parser as train_parser
-from fastcredit.trainer.build import memory_report_request
+from fastcredit.trainer.build import memory_report_request, train_parser
 from fastcredit.trainer.memory.request import ReportRequest
 from tests.config.test_cli_help import ENTRY_POINTS
 

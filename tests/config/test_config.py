@@ -17,7 +17,7 @@ from fastcredit.config import (
     load_config,
     save_config,
 )
-from fastcredit.train import parser as train_parser
+from fastcredit.trainer.build import train_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
