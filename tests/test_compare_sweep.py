@@ -6,7 +6,9 @@ from fastcredit.compare.sweep import gaps, main
 
 def report(path, grpo, others):
     methods = {"grpo": {"final_em": grpo, "final_em_ci95": 0.01, "vs_grpo": None}}
-    methods.update({m: {"final_em": grpo + d, "vs_grpo": d, "vs_grpo_ci95": ci, "vs_grpo_seeds": 6}
+    methods["grpo"].update(mean_em=grpo - 0.1, mean_em_ci95=0.02)
+    methods.update({m: {"final_em": grpo + d, "vs_grpo": d, "vs_grpo_ci95": ci, "vs_grpo_seeds": 6,
+                        "mean_em": grpo - 0.1 + 2 * d, "mean_em_vs_grpo": 2 * d, "mean_em_vs_grpo_ci95": ci / 2}
                     for m, (d, ci) in others.items()})
     path.write_text(json.dumps({"device": "cpu", "name": path.stem, "methods": methods}))
     return str(path)
@@ -20,9 +22,13 @@ def test_the_sweep_lines_up_each_methods_gap_by_setting(tmp_path):
     md = (tmp_path / "out" / "sweep_t.md").read_text()
     assert "| grpo (final EM) | 0.800 ± 0.010 | 0.400 ± 0.010 |" in md
     assert "| gigpo | +0.010 ± 0.020 | +0.050 ± 0.030 |" in md and "| criticsearch | – | -0.020 ± 0.040 |" in md
+    mean = md[md.index("Mean EM"):]
+    assert "| grpo (mean EM) | 0.700 ± 0.020 | 0.300 ± 0.020 |" in mean
+    assert "| gigpo | +0.020 ± 0.010 | +0.100 ± 0.015 |" in mean and "| criticsearch | – | -0.040 ± 0.020 |" in mean
     assert (tmp_path / "out" / "sweep_t.png").stat().st_size > 0
     from fastcredit.compare.sweep import read_point
     assert gaps([read_point(f"1={a}"), read_point(f"3={b}")])["gigpo"] == [(1.0, 0.01, 0.02, 6), (3.0, 0.05, 0.03, 6)]
+    assert gaps([read_point(f"3={b}")], "mean")["criticsearch"] == [(3.0, -0.04, 0.02, 6)]
 
 
 def test_bad_points_are_refused_naming_them(tmp_path, capsys):
